@@ -1,0 +1,20 @@
+//! spade-core: the pure logic of SPADE. No I/O, no models, no HTTP.
+//!
+//! - [`sampling`]: logits -> the explicit distribution a token is drawn from (temperature, top-k/p, min-p).
+//! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
+//! - [`verify`]: the speculative-sampling rule, general and greedy.
+//! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
+//! - [`openai`], [`protocol`], [`error`]: wire types of the public API, of `/verify`, and the error body.
+
+pub mod dist;
+pub mod error;
+pub mod openai;
+pub mod protocol;
+pub mod rng;
+pub mod sampling;
+pub mod verify;
+
+pub use dist::{DistError, SparseDist};
+pub use error::{ErrorBody, ErrorDetail};
+pub use sampling::{distribution, SamplingError, SamplingParams};
+pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};

@@ -1,0 +1,92 @@
+//! Wire types of the verifier's `POST /verify` and `GET /v1/info`.
+//!
+//! Stateless protocol: a call carries either the full context or a session id with the ids appended
+//! since that session's last call plus the resulting total length, so a verifier that lost the session
+//! answers `resend_context` instead of guessing.
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::dist::{DistError, SparseDist};
+use crate::sampling::SamplingParams;
+use crate::verify::{DraftToken, NextKind};
+
+/// One drafted token and the exact distribution it was drawn from, `[[token, prob], ...]` on q's support.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WireDraftToken {
+    pub token: u32,
+    #[schema(value_type = Vec<Vec<f64>>)]
+    pub q: Vec<(u32, f32)>,
+}
+
+impl WireDraftToken {
+    pub fn from_draft(d: &DraftToken) -> Self {
+        Self { token: d.token, q: d.q.entries().to_vec() }
+    }
+
+    pub fn to_draft(&self, vocab_size: u32) -> Result<DraftToken, DistError> {
+        Ok(DraftToken { token: self.token, q: SparseDist::new(self.q.clone(), Some(vocab_size))? })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyRequest {
+    /// Names a cached context on the verifier; omit for a one-off call.
+    #[serde(default)]
+    pub session_id: Option<String>,
+    /// Context ids starting at position `context_start`: the whole context when `context_start` is 0,
+    /// else the ids appended since the session's last call.
+    pub context: Vec<u32>,
+    #[serde(default)]
+    pub context_start: u32,
+    /// Draft tokens to judge, in order (may be empty: then only the next token is produced).
+    #[serde(default)]
+    pub draft: Vec<WireDraftToken>,
+    pub sampling: SamplingParams,
+    /// Seeds the per-position randomness; the same request always gets the same answer.
+    #[serde(default)]
+    pub seed: u64,
+    /// How many of the target's top log-probabilities to return per committed token (0 = none).
+    #[serde(default)]
+    pub top_logprobs: Option<u8>,
+}
+
+/// A committed token's log-probability under the target (natural log), with the top alternatives.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct VerifyTiming {
+    pub queue_ms: f64,
+    pub forward_ms: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct VerifyResponse {
+    /// How many draft tokens were accepted.
+    pub accepted: u32,
+    /// The token after the accepted drafts.
+    pub next_token: u32,
+    pub next_kind: NextKind,
+    /// Whether `next_token` (or an accepted draft) is an end-of-sequence token of the target.
+    pub eos: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprob>>,
+    pub timing: VerifyTiming,
+}
+
+/// What a gateway checks before trusting a verifier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ModelInfo {
+    pub model: String,
+    pub vocab_size: u32,
+    /// Hash of the tokenizer's vocabulary: gateways refuse a verifier whose fingerprint differs.
+    pub tokenizer_fingerprint: String,
+    pub max_context: u32,
+}

@@ -1,0 +1,253 @@
+//! Sampling transforms: logits -> the explicit distribution a token is drawn from.
+//!
+//! Order: temperature, then top-k, then top-p (over what top-k kept), then min-p, then renormalise.
+//! The target's p and the draft's q are both produced here, so "the distribution the token was drawn
+//! from" is one definition shared by the edge and the cloud.
+
+use serde::{Deserialize, Serialize};
+use std::cmp::Ordering;
+use thiserror::Error;
+use utoipa::ToSchema;
+
+use crate::dist::SparseDist;
+
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum SamplingError {
+    #[error("`{name}` is {value}: {expected}")]
+    InvalidParam { name: &'static str, value: f64, expected: &'static str },
+    #[error("no finite logit: the model produced NaN or infinite values everywhere")]
+    NoFiniteLogit,
+    #[error("logit of token {token} is {value}: logits must be finite or -inf")]
+    InvalidLogit { token: u32, value: f32 },
+}
+
+/// How a token is chosen from a model's logits. Temperature 0 means greedy (argmax, ties to the lowest id).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingParams {
+    /// 0 = greedy; otherwise logits are divided by it. Range [0, 2].
+    #[serde(default = "default_temperature")]
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of most probable tokens whose mass is >= top_p. (0, 1]; 1 = off.
+    #[serde(default = "default_top_p")]
+    pub top_p: f32,
+    /// Keep the k most probable tokens. 0 = off.
+    #[serde(default)]
+    pub top_k: u32,
+    /// Drop tokens whose probability is below min_p times the largest. [0, 1]; 0 = off.
+    #[serde(default)]
+    pub min_p: f32,
+}
+
+fn default_temperature() -> f32 {
+    1.0
+}
+fn default_top_p() -> f32 {
+    1.0
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0 }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        Self { temperature: 0.0, ..Self::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    pub fn validate(&self) -> Result<(), SamplingError> {
+        let bad = |name, value: f32, expected| SamplingError::InvalidParam { name, value: value as f64, expected };
+        if !(0.0..=2.0).contains(&self.temperature) {
+            return Err(bad("temperature", self.temperature, "must be between 0 and 2"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(bad("top_p", self.top_p, "must be greater than 0 and at most 1"));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(bad("min_p", self.min_p, "must be between 0 and 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Most probable first; ties broken by lower token id, so every truncation is deterministic.
+fn by_weight_desc(a: &(u32, f64), b: &(u32, f64)) -> Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+}
+
+/// The distribution that `params` defines over `logits` (index = token id).
+pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<SparseDist, SamplingError> {
+    params.validate()?;
+    let mut best: Option<(u32, f32)> = None;
+    for (token, &l) in logits.iter().enumerate() {
+        if l.is_nan() || l == f32::INFINITY {
+            return Err(SamplingError::InvalidLogit { token: token as u32, value: l });
+        }
+        if l.is_finite() && best.is_none_or(|(_, b)| l > b) {
+            best = Some((token as u32, l));
+        }
+    }
+    let (argmax, max) = best.ok_or(SamplingError::NoFiniteLogit)?;
+    if params.is_greedy() {
+        return Ok(SparseDist::point(argmax));
+    }
+
+    let inv_t = 1.0 / params.temperature as f64;
+    let mut weights: Vec<(u32, f64)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(t, &l)| (t as u32, ((l as f64 - max as f64) * inv_t).exp()))
+        .filter(|&(_, w)| w > 0.0)
+        .collect();
+
+    let k = params.top_k as usize;
+    if k > 0 && k < weights.len() {
+        weights.select_nth_unstable_by(k - 1, by_weight_desc);
+        weights.truncate(k);
+    }
+    if params.top_p < 1.0 {
+        weights.sort_unstable_by(by_weight_desc);
+        let total: f64 = weights.iter().map(|w| w.1).sum();
+        let need = params.top_p as f64 * total;
+        let mut acc = 0.0;
+        let keep = weights
+            .iter()
+            .position(|&(_, w)| {
+                acc += w;
+                acc >= need
+            })
+            .map_or(weights.len(), |i| i + 1);
+        weights.truncate(keep);
+    }
+    if params.min_p > 0.0 {
+        // The argmax has weight exp(0) = 1 and survives every step above.
+        let floor = params.min_p as f64;
+        weights.retain(|&(_, w)| w >= floor);
+    }
+    Ok(SparseDist::from_weights(weights))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn params(temperature: f32, top_k: u32, top_p: f32, min_p: f32) -> SamplingParams {
+        SamplingParams { temperature, top_k, top_p, min_p }
+    }
+
+    fn mass_sum(d: &SparseDist) -> f64 {
+        d.entries().iter().map(|&(_, p)| p as f64).sum()
+    }
+
+    /// Full softmax at temperature t, as f64, for reference.
+    fn softmax(logits: &[f32], t: f64) -> Vec<f64> {
+        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+        let w: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / t).exp()).collect();
+        let s: f64 = w.iter().sum();
+        w.into_iter().map(|x| x / s).collect()
+    }
+
+    #[test]
+    fn greedy_is_point_mass_at_lowest_argmax() {
+        let d = distribution(&[1.0, 3.0, 3.0, f32::NEG_INFINITY], &SamplingParams::greedy()).unwrap();
+        assert_eq!(d.entries(), &[(1, 1.0)]);
+    }
+
+    #[test]
+    fn plain_temperature_is_softmax() {
+        let logits = [0.5, -1.0, 2.0, 0.0];
+        let d = distribution(&logits, &params(0.7, 0, 1.0, 0.0)).unwrap();
+        for (t, want) in softmax(&logits, 0.7).into_iter().enumerate() {
+            assert!((d.prob(t as u32) - want).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_params_and_logits() {
+        let l = [0.0, 1.0];
+        assert!(matches!(distribution(&l, &params(-0.1, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { name: "temperature", .. })));
+        assert!(matches!(distribution(&l, &params(2.5, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { name: "temperature", .. })));
+        assert!(matches!(distribution(&l, &params(f32::NAN, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { .. })));
+        assert!(matches!(distribution(&l, &params(1.0, 0, 0.0, 0.0)), Err(SamplingError::InvalidParam { name: "top_p", .. })));
+        assert!(matches!(distribution(&l, &params(1.0, 0, 1.0, 1.5)), Err(SamplingError::InvalidParam { name: "min_p", .. })));
+        assert_eq!(distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0, 0.0)), Err(SamplingError::NoFiniteLogit));
+        assert!(matches!(distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0, 0.0)), Err(SamplingError::InvalidLogit { token: 1, .. })));
+        assert!(matches!(distribution(&[], &SamplingParams::greedy()), Err(SamplingError::NoFiniteLogit)));
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_prefix() {
+        // probs 0.5, 0.3, 0.2 -> top_p 0.8 keeps exactly the first two.
+        let logits = [0.5f64.ln() as f32, 0.3f64.ln() as f32, 0.2f64.ln() as f32];
+        let d = distribution(&logits, &params(1.0, 0, 0.75, 0.0)).unwrap();
+        assert_eq!(d.len(), 2);
+        assert!((d.prob(0) - 0.625).abs() < 1e-6);
+    }
+
+    proptest! {
+        #[test]
+        fn transforms_give_a_normalised_distribution(
+            logits in prop::collection::vec(-10.0f32..10.0, 1..200),
+            temperature in 0.5f32..2.0,
+            top_k in 0u32..50,
+            top_p in 0.05f32..=1.0,
+            min_p in 0.0f32..0.5,
+        ) {
+            let p = params(temperature, top_k, top_p, min_p);
+            let d = distribution(&logits, &p).unwrap();
+            prop_assert!((mass_sum(&d) - 1.0).abs() < 1e-5);
+            prop_assert!(d.entries().iter().all(|&(t, q)| q > 0.0 && (t as usize) < logits.len()));
+            // The argmax always survives.
+            let argmax = distribution(&logits, &SamplingParams::greedy()).unwrap().argmax();
+            prop_assert!(d.prob(argmax) > 0.0);
+        }
+
+        #[test]
+        fn top_k_keeps_exactly_k(logits in prop::collection::vec(-10.0f32..10.0, 1..200), k in 1u32..60) {
+            let d = distribution(&logits, &params(1.0, k, 1.0, 0.0)).unwrap();
+            prop_assert_eq!(d.len(), (k as usize).min(logits.len()));
+            // Every kept token is at least as likely as every dropped one.
+            let kept_min = d.entries().iter().map(|&(t, _)| logits[t as usize]).fold(f32::INFINITY, f32::min);
+            for (t, &l) in logits.iter().enumerate() {
+                if d.prob(t as u32) == 0.0 { prop_assert!(l <= kept_min); }
+            }
+        }
+
+        #[test]
+        fn top_p_is_minimal(logits in prop::collection::vec(-5.0f32..5.0, 1..100), top_p in 0.05f32..0.999) {
+            let d = distribution(&logits, &params(1.0, 0, top_p, 0.0)).unwrap();
+            let full = softmax(&logits, 1.0);
+            let mut kept: Vec<f64> = d.entries().iter().map(|&(t, _)| full[t as usize]).collect();
+            kept.sort_by(|a, b| b.total_cmp(a));
+            let mass: f64 = kept.iter().sum();
+            prop_assert!(mass >= top_p as f64 - 1e-9, "kept mass {} < top_p {}", mass, top_p);
+            // Without its least likely token the kept set would fall short of top_p.
+            prop_assert!(mass - kept[kept.len() - 1] < top_p as f64 + 1e-9);
+            // Nothing dropped is more likely than anything kept.
+            let kept_min = kept[kept.len() - 1];
+            for (t, &p) in full.iter().enumerate() {
+                if d.prob(t as u32) == 0.0 { prop_assert!(p <= kept_min + 1e-12); }
+            }
+        }
+
+        #[test]
+        fn min_p_drops_only_unlikely(logits in prop::collection::vec(-5.0f32..5.0, 1..100), min_p in 0.01f32..1.0) {
+            let d = distribution(&logits, &params(1.0, 0, 1.0, min_p)).unwrap();
+            let full = softmax(&logits, 1.0);
+            let pmax = full.iter().cloned().fold(0.0, f64::max);
+            for (t, &p) in full.iter().enumerate() {
+                let kept = d.prob(t as u32) > 0.0;
+                if p >= min_p as f64 * pmax * (1.0 + 1e-6) { prop_assert!(kept); }
+                if p < min_p as f64 * pmax * (1.0 - 1e-6) { prop_assert!(!kept); }
+            }
+        }
+    }
+}
