@@ -1,1 +1,46 @@
-//! placeholder
+//! spade-engine: the model seam. The only crate that touches mistral.rs or candle.
+//!
+//! - [`Drafter`]: the edge model proposing tokens with the exact distribution each was drawn from
+//!   ([`MistralDrafter`], on mistral.rs).
+//! - [`Scorer`]: the cloud model returning logits at every appended position, KV-cached per session
+//!   ([`CandleScorer`], on candle's quantized kernels).
+//! - [`speculative`]: the in-process loop tying them together with spade-core's verification.
+
+pub mod drafter;
+mod error;
+pub mod gguf;
+pub mod scorer;
+pub mod speculative;
+
+pub use drafter::{DraftParams, MistralDrafter};
+pub use error::EngineError;
+pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
+pub use scorer::CandleScorer;
+pub use spade_core::DraftToken;
+
+/// The edge model: proposes up to `n` tokens after `committed`, each with its exact q.
+#[async_trait::async_trait]
+pub trait Drafter: Send + Sync {
+    fn meta(&self) -> &ModelMeta;
+
+    /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
+    async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
+}
+
+/// The cloud model. Weights are shared; each context gets its own [`ScoreSession`].
+pub trait Scorer: Send + Sync {
+    fn meta(&self) -> &ModelMeta;
+    fn new_session(&self) -> Box<dyn ScoreSession>;
+}
+
+/// A KV-cached context of the target model.
+pub trait ScoreSession: Send {
+    /// Logits `[n_logits][vocab]` at the last `n_logits` positions of `tokens` (row i predicts the token
+    /// after `tokens[len - n_logits + i]`). Reuses the cache for the longest common prefix.
+    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError>;
+    /// The token ids whose KV rows are cached.
+    fn cached_tokens(&self) -> &[u32];
+    /// Drops cached positions from `len` on.
+    fn truncate(&mut self, len: usize);
+    fn memory_bytes(&self) -> usize;
+}

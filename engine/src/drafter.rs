@@ -1,0 +1,282 @@
+//! The edge drafter on mistral.rs.
+//!
+//! Each round is one mistral.rs completion request over the committed token ids. Our own sampler runs
+//! inside a mistral.rs logits processor: it computes q with spade-core, draws the token from exactly
+//! that q, records both, and returns logits that leave mistral.rs's argmax no other choice. The
+//! engine's reported logprobs are never used.
+//!
+//! mistral.rs 0.8.1 prefix-cache bug: the last token of a finished sequence has no KV row, yet a later
+//! request may match it. So each round generates one more token than it proposes, and that filler is
+//! forced to be an end-of-sequence token: every proposed token then has a KV row, and the only row-less
+//! token can match only a context that ends with end-of-sequence, where generation stops anyway.
+//!
+//! 0.8.1 also never evicts prefix-cache entries on CPU. Every `reset_after_rounds` rounds the engine is
+//! rebuilt on the same loaded pipeline (weights are kept; the cache is dropped with the old engine).
+
+use std::num::NonZeroUsize;
+use std::sync::{Arc, Mutex};
+
+use either::Either;
+use mistralrs::core::{
+    AutoDeviceMapParams, Constraint, DefaultSchedulerMethod, DeviceMapSetting, GGUFLoaderBuilder, GGUFSpecificConfig,
+    MistralRsBuilder, ModelDType, NormalRequest, Pipeline, Request, RequestMessage, Response, SchedulerConfig, TokenSource,
+};
+use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
+use rand::Rng;
+use spade_core::rng::{rng_for, Stream};
+use spade_core::{distribution, DraftToken, SamplingParams};
+use tokio::sync::RwLock;
+
+use crate::gguf::{read_meta, ModelMeta, ModelSource};
+use crate::{Drafter, EngineError};
+
+/// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
+/// target's p is what makes drafts accepted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftParams {
+    pub sampling: SamplingParams,
+    pub seed: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct DrafterOptions {
+    /// Rebuild the engine (dropping its never-evicted prefix cache) after this many rounds.
+    pub reset_after_rounds: usize,
+    /// Sequences mistral.rs may run at once.
+    pub max_concurrent: usize,
+    /// The 0.8.1 prefix-cache workaround (see the module docs). Off only to show the bug in a test,
+    /// or with a mistral.rs release that fixed it.
+    pub fill_kv: bool,
+}
+
+impl Default for DrafterOptions {
+    fn default() -> Self {
+        Self { reset_after_rounds: 256, max_concurrent: 8, fill_kv: true }
+    }
+}
+
+struct Runner {
+    model: Model,
+    rounds: usize,
+}
+
+pub struct MistralDrafter {
+    meta: ModelMeta,
+    pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>>,
+    runner: RwLock<Runner>,
+    options: DrafterOptions,
+}
+
+impl MistralDrafter {
+    /// Loads a GGUF model (local path, or hub file where a network exists) with F32 activations.
+    pub async fn load(source: &ModelSource, options: DrafterOptions) -> Result<Self, EngineError> {
+        let meta = match source {
+            ModelSource::Local(path) => read_meta(path)?,
+            ModelSource::Hub { .. } => return Err(EngineError::Unsupported("hub models: load them once with a network, then pass the local file".into())),
+        };
+        let (dir, file) = source.dir_and_file();
+        let pipeline = tokio::task::spawn_blocking(move || {
+            let loader = GGUFLoaderBuilder::new(None, None, dir, vec![file], GGUFSpecificConfig { topology: None }, false, None).build();
+            loader.load_model_from_hf(
+                None,
+                TokenSource::None,
+                &ModelDType::F32,
+                &candle_core::Device::Cpu,
+                true,
+                DeviceMapSetting::Auto(AutoDeviceMapParams::default_text()),
+                None,
+                None,
+            )
+        })
+        .await
+        .map_err(|e| EngineError::Drafter(e.to_string()))?
+        .map_err(|e| EngineError::Drafter(format!("loading the draft model: {e}")))?;
+        let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
+        let model = build_runner(&pipeline, options.max_concurrent).await;
+        Ok(Self { meta, pipeline, runner: RwLock::new(Runner { model, rounds: 0 }), options })
+    }
+
+    /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
+    pub async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+        let mut m = TextMessages::new();
+        for (role, content) in messages {
+            let role = match role.as_str() {
+                "system" | "developer" => TextMessageRole::System,
+                "assistant" => TextMessageRole::Assistant,
+                "tool" => TextMessageRole::Tool,
+                _ => TextMessageRole::User,
+            };
+            m = m.add_message(role, content);
+        }
+        let runner = self.runner.read().await;
+        runner.model.tokenize(Either::Left(m), None, false, true, None).await.map_err(|e| EngineError::Drafter(e.to_string()))
+    }
+
+    pub async fn encode_text(&self, text: &str) -> Result<Vec<u32>, EngineError> {
+        let runner = self.runner.read().await;
+        runner.model.tokenize(Either::Right(text.to_string()), None, false, false, None).await.map_err(|e| EngineError::Drafter(e.to_string()))
+    }
+
+    pub async fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        let runner = self.runner.read().await;
+        runner.model.detokenize(tokens.to_vec(), false).await.map_err(|e| EngineError::Drafter(e.to_string()))
+    }
+
+    /// mistral.rs's own logits at every position of `tokens` (`return_raw_logits`). Raw requests bypass
+    /// the prefix cache and re-prefill everything: for cross-checking the scorer, not for serving.
+    pub async fn raw_logits(&self, tokens: &[u32]) -> Result<Vec<Vec<f32>>, EngineError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(2);
+        let runner = self.runner.read().await;
+        let request = NormalRequest {
+            return_raw_logits: true,
+            ..new_request(RequestMessage::CompletionTokens(tokens.to_vec()), 1, tx, runner.model.inner().next_request_id(), None)
+        };
+        let sender = runner.model.inner().get_sender(None).map_err(|e| EngineError::Drafter(e.to_string()))?;
+        sender.send(Request::Normal(Box::new(request))).await.map_err(|e| EngineError::Drafter(e.to_string()))?;
+        match rx.recv().await {
+            Some(Response::Raw { logits_chunks, .. }) => {
+                let mut rows = Vec::new();
+                for chunk in logits_chunks {
+                    let chunk = chunk.to_dtype(candle_core::DType::F32)?;
+                    let chunk = if chunk.rank() == 3 { chunk.squeeze(0)? } else { chunk };
+                    rows.extend(chunk.to_vec2::<f32>()?);
+                }
+                Ok(rows)
+            }
+            Some(Response::InternalError(e)) | Some(Response::ValidationError(e)) => Err(EngineError::Drafter(e.to_string())),
+            _ => Err(EngineError::Drafter("no raw logits came back".into())),
+        }
+    }
+
+    async fn maybe_reset(&self) {
+        if self.runner.read().await.rounds < self.options.reset_after_rounds {
+            return;
+        }
+        let mut runner = self.runner.write().await;
+        if runner.rounds >= self.options.reset_after_rounds {
+            tracing::debug!(rounds = runner.rounds, "rebuilding the draft engine to drop its prefix cache");
+            runner.model = build_runner(&self.pipeline, self.options.max_concurrent).await;
+            runner.rounds = 0;
+        }
+    }
+}
+
+async fn build_runner(pipeline: &Arc<tokio::sync::Mutex<dyn Pipeline>>, max_concurrent: usize) -> Model {
+    let method = DefaultSchedulerMethod::Fixed(NonZeroUsize::new(max_concurrent.max(1)).expect("non-zero"));
+    let runner = MistralRsBuilder::new(pipeline.clone(), SchedulerConfig::DefaultScheduler { method }, false, None)
+        .with_prefix_cache_n(16)
+        .build()
+        .await;
+    Model::new(runner)
+}
+
+fn new_request(
+    messages: RequestMessage,
+    max_len: usize,
+    response: tokio::sync::mpsc::Sender<Response>,
+    id: usize,
+    processor: Option<Arc<dyn CustomLogitsProcessor>>,
+) -> NormalRequest {
+    NormalRequest {
+        messages,
+        sampling_params: mistralrs::SamplingParams { max_len: Some(max_len), ..mistralrs::SamplingParams::deterministic() },
+        response,
+        return_logprobs: false,
+        is_streaming: false,
+        id,
+        constraint: Constraint::None,
+        suffix: None,
+        tools: None,
+        tool_choice: None,
+        logits_processors: processor.map(|p| vec![p]),
+        return_raw_logits: false,
+        web_search_options: None,
+        model_id: None,
+        truncate_sequence: false,
+    }
+}
+
+/// Our sampler, run by mistral.rs at every step of one round.
+struct Recorder {
+    /// Length of the committed context: the first drafted token's position.
+    start: usize,
+    n: usize,
+    params: DraftParams,
+    /// Forced after the n proposals so that the last proposal gets a KV row.
+    filler: u32,
+    drafts: Mutex<Vec<DraftToken>>,
+}
+
+impl CustomLogitsProcessor for Recorder {
+    fn apply(&self, logits: &candle_core::Tensor, context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
+        let position = context.len();
+        let step = position.checked_sub(self.start).ok_or_else(|| candle_core::Error::Msg("draft context shorter than the prompt".into()))?;
+        let logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let token = if step < self.n {
+            let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
+            self.drafts.lock().expect("draft recorder poisoned").push(DraftToken { token, q });
+            token
+        } else {
+            self.filler
+        };
+        let mut forced = vec![f32::NEG_INFINITY; logits_vec.len()];
+        forced[token as usize] = 0.0;
+        candle_core::Tensor::from_vec(forced, logits_vec.len(), logits.device())
+    }
+}
+
+#[async_trait::async_trait]
+impl Drafter for MistralDrafter {
+    fn meta(&self) -> &ModelMeta {
+        &self.meta
+    }
+
+    async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        if committed.is_empty() {
+            return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
+        }
+        self.maybe_reset().await;
+        let recorder = Arc::new(Recorder {
+            start: committed.len(),
+            n,
+            params: params.clone(),
+            filler: self.meta.stop_token_ids[0],
+            drafts: Mutex::new(Vec::with_capacity(n)),
+        });
+        let (tx, mut rx) = tokio::sync::mpsc::channel(2);
+        {
+            let mut runner = self.runner.write().await;
+            runner.rounds += 1;
+        }
+        let runner = self.runner.read().await;
+        let generate = if self.options.fill_kv { n + 1 } else { n };
+        let request = new_request(
+            RequestMessage::CompletionTokens(committed.to_vec()),
+            generate,
+            tx,
+            runner.model.inner().next_request_id(),
+            Some(recorder.clone() as Arc<dyn CustomLogitsProcessor>),
+        );
+        let sender = runner.model.inner().get_sender(None).map_err(|e| EngineError::Drafter(e.to_string()))?;
+        sender.send(Request::Normal(Box::new(request))).await.map_err(|e| EngineError::Drafter(e.to_string()))?;
+        while let Some(response) = rx.recv().await {
+            match response {
+                Response::CompletionDone(_) => break,
+                Response::InternalError(e) | Response::ValidationError(e) => return Err(EngineError::Drafter(e.to_string())),
+                Response::CompletionModelError(e, _) | Response::ModelError(e, _) => return Err(EngineError::Drafter(e)),
+                _ => continue,
+            }
+        }
+        drop(runner);
+        let mut drafts = std::mem::take(&mut *recorder.drafts.lock().expect("draft recorder poisoned"));
+        // An end-of-sequence draft ends the block.
+        if let Some(end) = drafts.iter().position(|d| self.meta.stop_token_ids.contains(&d.token)) {
+            drafts.truncate(end + 1);
+        }
+        Ok(drafts)
+    }
+}

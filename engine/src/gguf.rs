@@ -1,0 +1,166 @@
+//! GGUF files: locating them and reading the metadata both sides must agree on.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use sha2::{Digest, Sha256};
+
+use crate::EngineError;
+
+/// Where a model comes from: a local `.gguf` file, or `owner/repo:file.gguf` on the Hugging Face hub.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    Local(PathBuf),
+    Hub { repo: String, file: String },
+}
+
+impl ModelSource {
+    /// A path that exists is local; `owner/repo:file.gguf` names a hub file; anything else is an error
+    /// (a mistyped path must not silently turn into a network call).
+    pub fn parse(spec: &str) -> Result<Self, EngineError> {
+        let path = Path::new(spec);
+        if path.is_file() {
+            return Ok(Self::Local(path.to_path_buf()));
+        }
+        match spec.split_once(':') {
+            Some((repo, file)) if repo.split('/').count() == 2 && file.ends_with(".gguf") && !spec.starts_with('/') => {
+                Ok(Self::Hub { repo: repo.to_string(), file: file.to_string() })
+            }
+            _ => Err(EngineError::ModelNotFound(format!(
+                "{spec} (give a path to a .gguf file, or owner/repo:file.gguf for the Hugging Face hub)"
+            ))),
+        }
+    }
+
+    /// Directory (or hub repo id) and file name, as mistral.rs's GGUF loader wants them.
+    pub fn dir_and_file(&self) -> (String, String) {
+        match self {
+            Self::Local(p) => (
+                p.parent().map(|d| d.display().to_string()).filter(|d| !d.is_empty()).unwrap_or_else(|| ".".into()),
+                p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+            ),
+            Self::Hub { repo, file } => (repo.clone(), file.clone()),
+        }
+    }
+
+    pub fn local_path(&self) -> Result<&Path, EngineError> {
+        match self {
+            Self::Local(p) => Ok(p),
+            Self::Hub { repo, file } => Err(EngineError::Unsupported(format!(
+                "{repo}:{file}: the candle scorer loads local GGUF files only; download it first"
+            ))),
+        }
+    }
+}
+
+/// Facts about a model that the edge and the cloud compare.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelMeta {
+    pub name: String,
+    pub architecture: String,
+    /// Width of the logits (rows of the output matrix).
+    pub vocab_size: u32,
+    /// Tokens that end a generation.
+    pub stop_token_ids: Vec<u32>,
+    /// sha256 of the token list: equal fingerprints mean token ids mean the same text.
+    pub tokenizer_fingerprint: String,
+    pub max_context: u32,
+    pub chat_template: Option<String>,
+}
+
+/// Common names of end-of-turn tokens, stopped on alongside `tokenizer.ggml.eos_token_id`.
+const END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>", "<end_of_turn>"];
+
+pub(crate) struct GgufFile {
+    pub path: PathBuf,
+    pub content: Content,
+    pub file: File,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self, EngineError> {
+        let mut file = File::open(path).map_err(|e| EngineError::load(path, e))?;
+        let content = Content::read(&mut file).map_err(|e| EngineError::load(path, e))?;
+        Ok(Self { path: path.to_path_buf(), content, file })
+    }
+
+    fn md(&self) -> &HashMap<String, Value> {
+        &self.content.metadata
+    }
+
+    pub fn get(&self, key: &str) -> Result<&Value, EngineError> {
+        self.md().get(key).ok_or_else(|| EngineError::load(&self.path, format!("missing metadata key {key}")))
+    }
+
+    pub fn u32(&self, key: &str) -> Result<u32, EngineError> {
+        let v = self.get(key)?;
+        v.to_u32().or_else(|_| v.to_u64().map(|x| x as u32)).or_else(|_| v.to_i32().map(|x| x as u32)).map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
+    }
+
+    pub fn f32(&self, key: &str) -> Result<f32, EngineError> {
+        self.get(key)?.to_f32().map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
+    }
+
+    pub fn string(&self, key: &str) -> Result<String, EngineError> {
+        self.get(key)?.to_string().cloned().map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
+    }
+
+    pub fn architecture(&self) -> Result<String, EngineError> {
+        self.string("general.architecture")
+    }
+
+    pub fn meta(&self) -> Result<ModelMeta, EngineError> {
+        let arch = self.architecture()?;
+        let tokens: Vec<String> = self
+            .get("tokenizer.ggml.tokens")?
+            .to_vec()
+            .map_err(|e| EngineError::load(&self.path, e))?
+            .iter()
+            .map(|v| v.to_string().cloned().unwrap_or_default())
+            .collect();
+        let mut hasher = Sha256::new();
+        for t in &tokens {
+            hasher.update(t.as_bytes());
+            hasher.update([0u8]);
+        }
+        let fingerprint: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+
+        let vocab_size = match self.content.tensor_infos.get("output.weight").or_else(|| self.content.tensor_infos.get("token_embd.weight")) {
+            Some(info) => info.shape.dims()[0] as u32,
+            None => tokens.len() as u32,
+        };
+        let mut stop_token_ids: Vec<u32> = self.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
+        for (id, t) in tokens.iter().enumerate() {
+            if END_TOKENS.contains(&t.as_str()) && !stop_token_ids.contains(&(id as u32)) {
+                stop_token_ids.push(id as u32);
+            }
+        }
+        Ok(ModelMeta {
+            name: self.string("general.name").unwrap_or_else(|_| self.path.file_stem().unwrap_or_default().to_string_lossy().into_owned()),
+            max_context: self.u32(&format!("{arch}.context_length")).unwrap_or(4096),
+            architecture: arch,
+            vocab_size,
+            stop_token_ids,
+            tokenizer_fingerprint: fingerprint,
+            chat_template: self.string("tokenizer.chat_template").ok(),
+        })
+    }
+}
+
+/// Refuses a draft/target pair whose token ids do not mean the same text.
+pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<(), EngineError> {
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint {
+        return Err(EngineError::VocabMismatch(format!(
+            "draft {} has tokenizer fingerprint {}, target {} has {}; speculative decoding needs one shared tokenizer",
+            draft.name, &draft.tokenizer_fingerprint[..12], target.name, &target.tokenizer_fingerprint[..12]
+        )));
+    }
+    Ok(())
+}
+
+/// Reads the metadata of a local GGUF file.
+pub fn read_meta(path: &Path) -> Result<ModelMeta, EngineError> {
+    GgufFile::open(path)?.meta()
+}
