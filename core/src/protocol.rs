@@ -48,7 +48,8 @@ pub struct VerifyRequest {
     /// Seeds the per-position randomness; the same request always gets the same answer.
     #[serde(default)]
     pub seed: u64,
-    /// How many of the target's top log-probabilities to return per committed token (0 = none).
+    /// Return the target's log-probability of each committed token, with this many top alternatives
+    /// (0 to 20). Omit for none.
     #[serde(default)]
     pub top_logprobs: Option<u8>,
 }
@@ -58,6 +59,8 @@ pub struct VerifyRequest {
 pub struct TokenLogprob {
     pub token: u32,
     pub logprob: f32,
+    /// `[[token, logprob], ...]`, most likely first.
+    #[schema(value_type = Vec<Vec<f64>>)]
     pub top: Vec<(u32, f32)>,
 }
 
@@ -76,6 +79,9 @@ pub struct VerifyResponse {
     pub next_kind: NextKind,
     /// Whether `next_token` (or an accepted draft) is an end-of-sequence token of the target.
     pub eos: bool,
+    /// Tokens the session now holds (context + accepted drafts + next token): the next call's
+    /// `context_start` when it only appends.
+    pub session_len: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub timing: VerifyTiming,

@@ -51,7 +51,7 @@ pub struct DrafterOptions {
 
 impl Default for DrafterOptions {
     fn default() -> Self {
-        Self { reset_after_rounds: 256, max_concurrent: 8, fill_kv: true }
+        Self { reset_after_rounds: 64, max_concurrent: 8, fill_kv: true }
     }
 }
 
@@ -148,16 +148,26 @@ impl MistralDrafter {
         }
     }
 
-    async fn maybe_reset(&self) {
-        if self.runner.read().await.rounds < self.options.reset_after_rounds {
+    async fn maybe_reset(&self, limit: usize) {
+        if self.runner.read().await.rounds < limit {
             return;
         }
         let mut runner = self.runner.write().await;
-        if runner.rounds >= self.options.reset_after_rounds {
+        if runner.rounds >= limit {
             tracing::debug!(rounds = runner.rounds, "rebuilding the draft engine to drop its prefix cache");
             runner.model = build_runner(&self.pipeline, self.options.max_concurrent).await;
             runner.rounds = 0;
+            release_freed_memory();
         }
+    }
+}
+
+/// The dropped engine's KV buffers are large and many; ask glibc to hand the freed pages back.
+fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 
@@ -205,12 +215,15 @@ struct Recorder {
     /// Forced after the n proposals so that the last proposal gets a KV row.
     filler: u32,
     drafts: Mutex<Vec<DraftToken>>,
+    steps: std::sync::atomic::AtomicUsize,
 }
 
 impl CustomLogitsProcessor for Recorder {
-    fn apply(&self, logits: &candle_core::Tensor, context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
-        let position = context.len();
-        let step = position.checked_sub(self.start).ok_or_else(|| candle_core::Error::Msg("draft context shorter than the prompt".into()))?;
+    fn apply(&self, logits: &candle_core::Tensor, _context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
+        // mistral.rs passes only the uncached suffix as context on a prefix-cache hit, so the position
+        // comes from counting our own steps, not from the context's length.
+        let step = self.steps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let position = self.start + step;
         let logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
         let token = if step < self.n {
             let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -232,6 +245,14 @@ impl Drafter for MistralDrafter {
         &self.meta
     }
 
+    /// mistral.rs 0.8.1's prefix-cache entries share KV storage that later requests overwrite in place,
+    /// so an entry from an earlier generation can hold rows of another continuation. Harmless for
+    /// losslessness (q is whatever we computed), but it makes drafts depend on history: start each
+    /// generation from an empty cache. Rebuilding the engine on the loaded pipeline takes milliseconds.
+    async fn begin_generation(&self) {
+        self.maybe_reset(1).await;
+    }
+
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
         if n == 0 {
             return Ok(Vec::new());
@@ -239,13 +260,14 @@ impl Drafter for MistralDrafter {
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
         }
-        self.maybe_reset().await;
+        self.maybe_reset(self.options.reset_after_rounds).await;
         let recorder = Arc::new(Recorder {
             start: committed.len(),
             n,
             params: params.clone(),
             filler: self.meta.stop_token_ids[0],
             drafts: Mutex::new(Vec::with_capacity(n)),
+            steps: Default::default(),
         });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         {

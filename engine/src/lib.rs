@@ -9,6 +9,7 @@
 pub mod drafter;
 mod error;
 pub mod gguf;
+pub mod round;
 pub mod scorer;
 pub mod speculative;
 
@@ -18,10 +19,19 @@ pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
 pub use scorer::CandleScorer;
 pub use spade_core::DraftToken;
 
+/// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
+pub fn set_compute_threads(n: usize) -> Result<(), String> {
+    rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())
+}
+
 /// The edge model: proposes up to `n` tokens after `committed`, each with its exact q.
 #[async_trait::async_trait]
 pub trait Drafter: Send + Sync {
     fn meta(&self) -> &ModelMeta;
+
+    /// Called when a generation starts. A drafter whose state can leak between generations (a shared
+    /// prefix cache) clears it here, so the same request with the same seed drafts the same tokens.
+    async fn begin_generation(&self) {}
 
     /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;

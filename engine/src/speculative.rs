@@ -3,9 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use spade_core::{distribution, verify_block, verify_greedy, SamplingParams, SparseDist};
+use spade_core::SamplingParams;
 
 use crate::drafter::DraftParams;
+use crate::round::verify_round;
 use crate::{Drafter, EngineError, ScoreSession};
 
 #[derive(Debug, Clone)]
@@ -47,11 +48,6 @@ pub struct Generation {
     pub stats: LoopStats,
 }
 
-/// The distributions p_1..p_k from target logits (argmax only when greedy).
-fn target_dists(logits: &[Vec<f32>], sampling: &SamplingParams) -> Result<Vec<SparseDist>, EngineError> {
-    Ok(logits.iter().map(|l| distribution(l, sampling)).collect::<Result<_, _>>()?)
-}
-
 /// Generates after `prompt`. With `draft_len` 0 (or no drafter) this is plain target decoding through
 /// the same scorer, which is the reference the speculative output is compared with.
 pub async fn generate(
@@ -65,6 +61,9 @@ pub async fn generate(
     let mut out = Vec::new();
     let mut stats = LoopStats::default();
     let draft_params = DraftParams { sampling: params.draft_sampling, seed: params.seed };
+    if let Some(drafter) = drafter {
+        drafter.begin_generation().await;
+    }
     while out.len() < params.max_new_tokens {
         // A round commits at most d + 1 tokens: never draft past the budget.
         let remaining = params.max_new_tokens - out.len();
@@ -76,20 +75,11 @@ pub async fn generate(
         };
         stats.draft_time += t0.elapsed();
 
-        let draft_tokens: Vec<u32> = drafts.iter().map(|x| x.token).collect();
-        let mut block = seq.clone();
-        block.extend_from_slice(&draft_tokens);
         let t1 = Instant::now();
-        let logits = target.score(&block, drafts.len() + 1)?;
+        let round = verify_round(target, &seq, &drafts, &params.sampling, params.seed, None)?;
         stats.target_time += t1.elapsed();
         stats.target_calls += 1;
-
-        let outcome = if params.sampling.is_greedy() {
-            let argmax: Vec<u32> = target_dists(&logits, &params.sampling)?.iter().map(SparseDist::argmax).collect();
-            verify_greedy(&argmax, &draft_tokens)?
-        } else {
-            verify_block(&target_dists(&logits, &params.sampling)?, &drafts, params.seed, seq.len() as u64)?
-        };
+        let outcome = round.outcome;
         stats.drafted += drafts.len();
         stats.accepted += outcome.accepted;
         if stats.drafted_at.len() < drafts.len() {
@@ -100,7 +90,7 @@ pub async fn generate(
             stats.drafted_at[i] += 1;
             stats.accepted_at[i] += usize::from(i < outcome.accepted);
         }
-        for token in outcome.committed(&draft_tokens) {
+        for token in round.committed {
             seq.push(token);
             out.push(token);
             if params.stop_token_ids.contains(&token) {

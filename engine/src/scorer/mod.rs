@@ -29,6 +29,11 @@ impl CandleScorer {
         Ok(Self { model: Arc::new(model), meta })
     }
 
+    /// The model's facts, without going through the `Scorer` trait.
+    pub fn meta_ref(&self) -> &ModelMeta {
+        &self.meta
+    }
+
     /// Bytes of KV cache one context position costs.
     pub fn kv_bytes_per_token(&self) -> usize {
         self.model.kv_bytes_per_token()

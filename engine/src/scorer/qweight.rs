@@ -145,7 +145,7 @@ mod tests {
         let dev = Device::Cpu;
         let (n, k, m) = (96, 512, 5);
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
-        let x: Vec<f32> = (0..m * k).map(|i| ((i * 104729 % 997) as f32 / 498.0 - 1.0)).collect();
+        let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 498.0 - 1.0).collect();
         let wt = Tensor::from_vec(w, (n, k), &dev).unwrap();
         for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
             let q = QTensor::quantize(&wt, dtype).unwrap();

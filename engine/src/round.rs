@@ -1,0 +1,71 @@
+//! One verification round on the target: score context + drafts in one pass, apply the rule.
+//! Shared by the in-process loop and the verifier server, so both decide identically.
+
+use std::time::{Duration, Instant};
+
+use spade_core::protocol::TokenLogprob;
+use spade_core::{distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, SamplingParams, SparseDist};
+
+use crate::{EngineError, ScoreSession};
+
+#[derive(Debug, Clone)]
+pub struct RoundResult {
+    pub outcome: BlockOutcome,
+    /// Accepted drafts followed by the correction or bonus token.
+    pub committed: Vec<u32>,
+    /// Target log-probabilities (natural log, temperature 1, before any truncation) of the committed
+    /// tokens, with the `top_logprobs` most likely alternatives; empty unless asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    pub forward_time: Duration,
+}
+
+/// Scores `context + drafts` (reusing the session's cache) and applies the speculative-sampling rule
+/// with randomness keyed by `(seed, position)`: the same inputs always give the same result.
+pub fn verify_round(
+    session: &mut dyn ScoreSession,
+    context: &[u32],
+    drafts: &[DraftToken],
+    sampling: &SamplingParams,
+    seed: u64,
+    top_logprobs: Option<usize>,
+) -> Result<RoundResult, EngineError> {
+    if context.is_empty() {
+        return Err(EngineError::InvalidRequest("the context is empty".into()));
+    }
+    let draft_tokens: Vec<u32> = drafts.iter().map(|d| d.token).collect();
+    let mut tokens = Vec::with_capacity(context.len() + drafts.len());
+    tokens.extend_from_slice(context);
+    tokens.extend_from_slice(&draft_tokens);
+    let started = Instant::now();
+    let logits = session.score(&tokens, drafts.len() + 1)?;
+    let forward_time = started.elapsed();
+    let p: Vec<SparseDist> = logits.iter().map(|l| distribution(l, sampling)).collect::<Result<_, _>>()?;
+    let outcome = if sampling.is_greedy() {
+        let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
+        verify_greedy(&argmax, &draft_tokens)?
+    } else {
+        verify_block(&p, drafts, seed, context.len() as u64)?
+    };
+    let committed = outcome.committed(&draft_tokens);
+    let logprobs = match top_logprobs {
+        Some(n) => committed.iter().zip(&logits).map(|(&t, l)| token_logprob(l, t, n)).collect(),
+        None => Vec::new(),
+    };
+    Ok(RoundResult { outcome, committed, logprobs, forward_time })
+}
+
+fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let log_z = logits.iter().map(|&x| (x as f64 - max).exp()).sum::<f64>().ln() + max;
+    let lp = |t: u32| (logits[t as usize] as f64 - log_z) as f32;
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let k = top.min(order.len());
+    if k > 0 {
+        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        order.truncate(k);
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    } else {
+        order.clear();
+    }
+    TokenLogprob { token, logprob: lp(token), top: order.into_iter().map(|t| (t, lp(t))).collect() }
+}

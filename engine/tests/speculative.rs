@@ -1,0 +1,102 @@
+//! The speculative loop on real models is lossless: greedy output is token-for-token the target's own
+//! greedy output (target-only = the same scorer with draft length 0), whatever the drafter.
+
+mod common;
+
+use common::*;
+use rand::{Rng, SeedableRng};
+use spade_core::{DraftToken, SamplingParams, SparseDist};
+use spade_engine::drafter::{DraftParams, DrafterOptions};
+use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
+use spade_engine::{Drafter, EngineError, ModelMeta, Scorer};
+
+fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens,
+        draft_len,
+        sampling,
+        draft_sampling: sampling,
+        seed: 7,
+        stop_token_ids: meta.stop_token_ids.clone(),
+    }
+}
+
+async fn run(drafter: Option<&dyn Drafter>, scorer: &dyn Scorer, prompt: &[u32], p: &GenerateParams) -> Generation {
+    generate(drafter, scorer.new_session().as_mut(), prompt, p).await.expect("generate")
+}
+
+/// Proposes uniformly random tokens: with greedy verification nearly every draft is rejected.
+struct RandomDrafter {
+    meta: ModelMeta,
+}
+
+#[async_trait::async_trait]
+impl Drafter for RandomDrafter {
+    fn meta(&self) -> &ModelMeta {
+        &self.meta
+    }
+
+    async fn draft(&self, committed: &[u32], n: usize, _: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(committed.len() as u64);
+        Ok((0..n)
+            .map(|_| {
+                let support: Vec<(u32, f32)> = (0..8).map(|i| (rng.random_range(0..self.meta.vocab_size / 8) * 8 + i, 0.125)).collect();
+                let q = SparseDist::new(support, None).unwrap();
+                DraftToken { token: q.sample(rng.random()), q }
+            })
+            .collect())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_qwen_pair_is_identical_to_target_only() {
+    let target = scorer(TARGET);
+    let draft = drafter(DRAFT, DrafterOptions::default()).await;
+    spade_engine::check_same_vocabulary(draft.meta(), target.meta()).unwrap();
+    let (mut calls_spec, mut calls_target, mut tokens) = (0, 0, 0);
+    for prompt in &PROMPTS[..8] {
+        let ids = draft.encode_chat(&[("user".into(), prompt.to_string())]).await.unwrap();
+        let reference = run(None, &target, &ids, &params(0, 24, SamplingParams::greedy(), target.meta())).await;
+        let spec = run(Some(&draft), &target, &ids, &params(4, 24, SamplingParams::greedy(), target.meta())).await;
+        assert_eq!(spec.tokens, reference.tokens, "prompt {prompt:?}");
+        assert_eq!(spec.finish, reference.finish);
+        calls_spec += spec.stats.target_calls;
+        calls_target += reference.stats.target_calls;
+        tokens += spec.tokens.len();
+    }
+    println!("qwen pair: {tokens} tokens, {calls_spec} target calls speculative vs {calls_target} target-only");
+    assert!(calls_spec < calls_target, "the draft must save target calls");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_with_adversarial_and_self_drafters_is_identical() {
+    let target = scorer(TINY);
+    let random = RandomDrafter { meta: target.meta().clone() };
+    let own = drafter(TINY, DrafterOptions::default()).await;
+    for prompt in &PROMPTS[..4] {
+        let ids = own.encode_chat(&[("user".into(), prompt.to_string())]).await.unwrap();
+        let p = |d| params(d, 40, SamplingParams::greedy(), target.meta());
+        let reference = run(None, &target, &ids, &p(0)).await;
+        let adversarial = run(Some(&random), &target, &ids, &p(4)).await;
+        assert_eq!(adversarial.tokens, reference.tokens, "random drafter, prompt {prompt:?}");
+        assert!(adversarial.stats.accepted * 20 <= adversarial.stats.drafted, "random drafts should nearly all be rejected");
+        let selfdraft = run(Some(&own), &target, &ids, &p(4)).await;
+        assert_eq!(selfdraft.tokens, reference.tokens, "SmolLM2 drafting for itself, prompt {prompt:?}");
+        assert!(selfdraft.stats.accepted * 10 >= selfdraft.stats.drafted * 8, "a model drafting for itself is mostly accepted: {:?}", selfdraft.stats);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_with_a_seed_is_reproducible() {
+    let target = scorer(TINY);
+    let own = drafter(TINY, DrafterOptions::default()).await;
+    let ids = own.encode_chat(&[("user".into(), PROMPTS[2].to_string())]).await.unwrap();
+    let sampling = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
+    let p = params(3, 32, sampling, target.meta());
+    let a = run(Some(&own), &target, &ids, &p).await;
+    let b = run(Some(&own), &target, &ids, &p).await;
+    assert_eq!(a.tokens, b.tokens);
+    let other = run(Some(&own), &target, &ids, &GenerateParams { seed: 8, ..p }).await;
+    assert_ne!(a.tokens, other.tokens, "a different seed should give a different sample");
+    assert!(matches!(a.finish, Finish::Length | Finish::Stop));
+}
