@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The project's test command (README "Tests"; .ci/run calls it): fetch the real test models if they
+# are missing, then run every test of the workspace against them.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/fetch-models.sh all
+# Real-model tests are CPU-heavy; two at a time keeps a 2-core machine responsive.
+cargo test --workspace --locked -- --test-threads "${SPADE_TEST_THREADS:-2}" "$@"

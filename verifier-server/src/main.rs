@@ -1,0 +1,70 @@
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::Parser;
+use spade_engine::CandleScorer;
+use spade_verifier::config::Command;
+use spade_verifier::{openapi, serve, shutdown_signal, Config, Verifier};
+use tracing_subscriber::EnvFilter;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let config = Config::parse();
+    if let Some(Command::Openapi) = config.command {
+        println!("{}", openapi::document());
+        return ExitCode::SUCCESS;
+    }
+    let filter = EnvFilter::try_new(&config.log).unwrap_or_else(|_| EnvFilter::new("info"));
+    if config.log_json {
+        tracing_subscriber::fmt().with_env_filter(filter).json().init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    if let Err(e) = config.check() {
+        tracing::error!("{e}");
+        return ExitCode::from(2);
+    }
+    if let Some(n) = config.threads {
+        if let Err(e) = spade_engine::set_compute_threads(n) {
+            tracing::warn!("could not set {n} compute threads: {e}");
+        }
+    }
+    let state = Arc::new(Verifier::new(&config));
+    let listener = match tokio::net::TcpListener::bind(config.addr()).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!("cannot bind {}: {e}", config.addr());
+            return ExitCode::from(1);
+        }
+    };
+    tracing::info!(addr = %config.addr(), auth = state.api_key.is_some(), "listening; loading the model");
+
+    // Load in the background: /health answers 503 until the model is ready.
+    let model = config.model.clone().unwrap_or_default();
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<()>();
+    let loading = state.clone();
+    tokio::task::spawn_blocking(move || match CandleScorer::load(Path::new(&model)) {
+        Ok(scorer) => {
+            tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded; ready");
+            loading.set_scorer(Arc::new(scorer));
+        }
+        Err(e) => {
+            tracing::error!("cannot load {model}: {e}");
+            let _ = failed_tx.send(());
+        }
+    });
+    let load_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = load_failed.clone();
+    let shutdown = async move {
+        tokio::select! {
+            _ = shutdown_signal() => {}
+            Ok(()) = failed_rx => flag.store(true, std::sync::atomic::Ordering::SeqCst),
+        }
+    };
+    if let Err(e) = serve(listener, state, shutdown).await {
+        tracing::error!("server error: {e}");
+        return ExitCode::from(1);
+    }
+    if load_failed.load(std::sync::atomic::Ordering::SeqCst) { ExitCode::from(1) } else { ExitCode::SUCCESS }
+}

@@ -1,0 +1,39 @@
+//! The OpenAPI document, generated from the handlers' annotations.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "SPADE verifier", description = "Cloud side of SPADE: judges draft blocks with the large model."),
+    paths(crate::verify::verify, crate::admin::health, crate::admin::info, crate::admin::metrics),
+    components(schemas(
+        spade_core::protocol::VerifyRequest,
+        spade_core::protocol::VerifyResponse,
+        spade_core::protocol::WireDraftToken,
+        spade_core::protocol::TokenLogprob,
+        spade_core::protocol::VerifyTiming,
+        spade_core::protocol::ModelInfo,
+        spade_core::SamplingParams,
+        spade_core::NextKind,
+        spade_core::ErrorBody,
+        spade_core::ErrorDetail,
+        crate::admin::Health,
+    )),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+    }
+}
+
+/// The document as pretty JSON (what `spade-verifier openapi` prints and openapi/verifier.json holds).
+pub fn document() -> String {
+    ApiDoc::openapi().to_pretty_json().expect("the OpenAPI document serialises")
+}

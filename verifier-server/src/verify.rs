@@ -1,0 +1,169 @@
+//! `POST /verify`: judge a draft block against the target model.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
+use spade_core::{DraftToken, ErrorBody, SamplingParams};
+use spade_engine::round::verify_round;
+use spade_engine::ModelMeta;
+use tokio::sync::Mutex as AsyncMutex;
+
+use crate::error::{ApiError, Json};
+use crate::sessions::Session;
+use crate::state::{AppState, Limits};
+
+/// A request that passed validation: every id inside the vocabulary, every q a distribution.
+struct ValidVerify {
+    session_id: Option<String>,
+    context: Vec<u32>,
+    context_start: usize,
+    drafts: Vec<DraftToken>,
+    sampling: SamplingParams,
+    seed: u64,
+    top_logprobs: Option<usize>,
+}
+
+fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<ValidVerify, ApiError> {
+    req.sampling.validate().map_err(|e| match e {
+        spade_core::SamplingError::InvalidParam { name, .. } => ApiError::invalid(format!("sampling.{name}"), e.to_string()),
+        other => ApiError::invalid("sampling", other.to_string()),
+    })?;
+    if let Some(id) = &req.session_id {
+        if id.is_empty() || id.len() > limits.max_session_id_len {
+            return Err(ApiError::invalid("session_id", format!("session_id must be 1 to {} bytes", limits.max_session_id_len)));
+        }
+    }
+    if req.context_start > 0 && req.session_id.is_none() {
+        return Err(ApiError::invalid("context_start", "context_start > 0 needs a session_id"));
+    }
+    if req.draft.len() > limits.max_draft {
+        return Err(ApiError::invalid("draft", format!("{} draft tokens; at most {} per call", req.draft.len(), limits.max_draft)));
+    }
+    let top_logprobs = req.top_logprobs.map(usize::from);
+    if top_logprobs.is_some_and(|n| n > limits.max_top_logprobs) {
+        return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {}", limits.max_top_logprobs)));
+    }
+    if let Some(&t) = req.context.iter().find(|&&t| t >= meta.vocab_size) {
+        return Err(ApiError::invalid("context", format!("token id {t} is outside the vocabulary of {} tokens", meta.vocab_size)));
+    }
+    let total = req.context_start as usize + req.context.len() + req.draft.len();
+    if total > meta.max_context as usize {
+        return Err(ApiError::Invalid {
+            message: format!("context plus draft is {total} tokens; the model's maximum is {}", meta.max_context),
+            param: Some("context".into()),
+            code: Some("context_length_exceeded"),
+        });
+    }
+    if req.context_start == 0 && req.context.is_empty() {
+        return Err(ApiError::invalid("context", "the context is empty"));
+    }
+    let mut drafts = Vec::with_capacity(req.draft.len());
+    for (i, d) in req.draft.iter().enumerate() {
+        if d.token >= meta.vocab_size {
+            return Err(ApiError::invalid(format!("draft[{i}].token"), format!("token id {} is outside the vocabulary", d.token)));
+        }
+        let draft = d.to_draft(meta.vocab_size).map_err(|e| ApiError::invalid(format!("draft[{i}].q"), e.to_string()))?;
+        if draft.q.prob(draft.token) <= 0.0 {
+            return Err(ApiError::invalid(format!("draft[{i}].token"), format!("draft token {} has probability 0 under its own q", draft.token)));
+        }
+        drafts.push(draft);
+    }
+    Ok(ValidVerify {
+        session_id: req.session_id,
+        context: req.context,
+        context_start: req.context_start as usize,
+        drafts,
+        sampling: req.sampling,
+        seed: req.seed,
+        top_logprobs,
+    })
+}
+
+/// Judge a block of draft tokens.
+///
+/// Scores the context plus the drafts in one target forward pass, accepts each draft with
+/// probability min(1, p/q), and returns the correction (first rejection, drawn from
+/// norm(max(0, p - q))) or the bonus token. Deterministic: the same request gets the same answer.
+#[utoipa::path(
+    post,
+    path = "/verify",
+    request_body = VerifyRequest,
+    responses(
+        (status = 200, description = "The verdict", body = VerifyResponse),
+        (status = 400, description = "Invalid request (bad JSON, ids outside the vocabulary, q not a distribution, context too long)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 409, description = "Session unknown or shorter than context_start: resend the full context", body = ErrorBody),
+        (status = 413, description = "Body over the size limit", body = ErrorBody),
+        (status = 429, description = "Queue full; see retry-after", body = ErrorBody),
+        (status = 503, description = "Model still loading", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn verify(State(state): State<AppState>, Json(req): Json<VerifyRequest>) -> Result<Json<VerifyResponse>, ApiError> {
+    let result = handle(&state, req).await;
+    match &result {
+        Err(ApiError::QueueFull(_)) => state.metrics.record_queue_full(),
+        Err(_) => state.metrics.record_error(),
+        Ok(_) => {}
+    }
+    result.map(Json)
+}
+
+async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, ApiError> {
+    let scorer = state.scorer()?.clone();
+    let meta = scorer.meta().clone();
+    let valid = validate(req, &meta, &state.limits)?;
+    let (permit, queued) = state.admission.admit().await?;
+
+    let new_session = || Session::new(scorer.new_session());
+    let session = match &valid.session_id {
+        Some(id) => state.sessions.get_or_create(id, new_session),
+        None => Arc::new(AsyncMutex::new(new_session())),
+    };
+    let mut guard = session.lock_owned().await;
+    if valid.context_start > guard.committed.len() {
+        return Err(ApiError::ResendContext(valid.session_id.unwrap_or_default()));
+    }
+    let mut context = guard.committed[..valid.context_start].to_vec();
+    context.extend_from_slice(&valid.context);
+    if context.is_empty() {
+        return Err(ApiError::invalid("context", "the context is empty"));
+    }
+
+    let ValidVerify { drafts, sampling, seed, top_logprobs, session_id, .. } = valid;
+    let drafted = drafts.len();
+    let (mut guard, context, result) = tokio::task::spawn_blocking(move || {
+        let result = verify_round(guard.score.as_mut(), &context, &drafts, &sampling, seed, top_logprobs);
+        (guard, context, result)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("scoring task failed: {e}")))?;
+    drop(permit);
+    let round = result?;
+
+    // Keep the accepted rows; the rejected drafts' rows would only be dropped by the next call.
+    let keep = context.len() + round.outcome.accepted;
+    guard.score.truncate(keep);
+    guard.committed = context;
+    guard.committed.extend_from_slice(&round.committed);
+    let session_len = guard.committed.len() as u32;
+    let bytes = guard.bytes();
+    drop(guard);
+    if let Some(id) = &session_id {
+        let evicted = state.sessions.update_size(id, bytes);
+        state.metrics.record_evictions(evicted);
+    }
+    state.metrics.record_verify(drafted, round.outcome.accepted, round.committed.len(), round.forward_time, queued);
+    tracing::debug!(drafted, accepted = round.outcome.accepted, forward_ms = round.forward_time.as_secs_f64() * 1e3, "verified");
+
+    Ok(VerifyResponse {
+        accepted: round.outcome.accepted as u32,
+        next_token: round.outcome.next_token,
+        next_kind: round.outcome.next_kind,
+        eos: round.committed.iter().any(|t| meta.stop_token_ids.contains(t)),
+        session_len,
+        logprobs: top_logprobs.map(|_| round.logprobs),
+        timing: VerifyTiming { queue_ms: queued.as_secs_f64() * 1e3, forward_ms: round.forward_time.as_secs_f64() * 1e3 },
+    })
+}

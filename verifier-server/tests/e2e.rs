@@ -1,0 +1,186 @@
+//! The real binary with the real tiny model over real HTTP: /verify equals spade-core's rule applied
+//! to the scorer's logits, repeated calls agree, sessions append, and 16 concurrent sessions under
+//! load stay within the cache budget.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use spade_core::protocol::WireDraftToken;
+use spade_core::{distribution, verify_block, DraftToken, SamplingParams};
+use spade_engine::{CandleScorer, Scorer};
+
+const KEY: &str = "e2e-key";
+
+fn tiny() -> PathBuf {
+    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let p = dir.join("SmolLM2-135M-Instruct-Q4_1.gguf");
+    assert!(p.is_file(), "{} is missing: run scripts/fetch-models.sh", p.display());
+    p
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+async fn start(extra: &[&str]) -> Server {
+    let port = free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_spade-verifier"))
+        .args(["--model", tiny().to_str().unwrap(), "--port", &port.to_string(), "--api-key", KEY, "--log", "warn"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .spawn()
+        .expect("spawn spade-verifier");
+    let server = Server { child, url: format!("http://127.0.0.1:{port}") };
+    let client = reqwest::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(r) = client.get(format!("{}/health", server.url)).send().await {
+            if r.status() == 200 {
+                return server;
+            }
+        }
+        assert!(Instant::now() < deadline, "verifier did not become ready");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    let r = client.post(format!("{url}/verify")).bearer_auth(KEY).json(body).send().await.expect("send");
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+fn rss_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_equals_the_rule_on_the_scorers_logits() {
+    let server = start(&[]).await;
+    let client = reqwest::Client::new();
+    let scorer = CandleScorer::load(&tiny()).unwrap();
+    let context: Vec<u32> = vec![1, 4093, 314, 3575, 282, 4649, 314, 216];
+    let sampling = SamplingParams { temperature: 0.9, top_k: 40, ..SamplingParams::default() };
+    // Drafts from a deliberately different q: a flat distribution over a few tokens.
+    let q = spade_core::SparseDist::new(vec![(284, 0.25), (253, 0.25), (30, 0.25), (28, 0.25)], None).unwrap();
+    let drafts: Vec<DraftToken> = [284, 253, 30].iter().map(|&t| DraftToken { token: t, q: q.clone() }).collect();
+    let body = json!({
+        "context": context,
+        "draft": drafts.iter().map(WireDraftToken::from_draft).collect::<Vec<_>>(),
+        "sampling": sampling,
+        "seed": 99,
+        "top_logprobs": 3,
+    });
+    let mut tokens = context.clone();
+    tokens.extend(drafts.iter().map(|d| d.token));
+    for seed in [99u64, 5, 6, 7] {
+        let mut body = body.clone();
+        body["seed"] = json!(seed);
+        let (status, got) = post(&client, &server.url, &body).await;
+        assert_eq!(status, 200, "{got}");
+        let logits = scorer.new_session().score(&tokens, drafts.len() + 1).unwrap();
+        let p: Vec<_> = logits.iter().map(|l| distribution(l, &sampling).unwrap()).collect();
+        let want = verify_block(&p, &drafts, seed, context.len() as u64).unwrap();
+        assert_eq!(got["accepted"].as_u64(), Some(want.accepted as u64), "seed {seed}");
+        assert_eq!(got["next_token"].as_u64(), Some(want.next_token as u64), "seed {seed}");
+        let (_, again) = post(&client, &server.url, &body).await;
+        assert_eq!((&again["accepted"], &again["next_token"]), (&got["accepted"], &got["next_token"]), "a repeated call must agree");
+        let lp = got["logprobs"].as_array().unwrap();
+        assert_eq!(lp.len(), want.accepted + 1);
+        assert!(lp.iter().all(|x| x["logprob"].as_f64().unwrap() <= 0.0));
+    }
+    // /v1/info matches the scorer's own facts.
+    let info: Value = client.get(format!("{}/v1/info", server.url)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    assert_eq!(info["tokenizer_fingerprint"].as_str(), Some(scorer.meta().tokenizer_fingerprint.as_str()));
+    assert_eq!(info["vocab_size"].as_u64(), Some(scorer.meta().vocab_size as u64));
+}
+
+/// 16 sessions at once, 8 calls each, through a cache budget smaller than their sum: every call
+/// succeeds or gets a documented 409 (evicted: resend) / 429 (queue full); RSS stays bounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_concurrent_sessions_stay_within_budget() {
+    const BUDGET_MB: usize = 64;
+    let server = start(&["--cache-budget-mb", &BUDGET_MB.to_string(), "--queue-size", "64"]).await;
+    let pid = server.child.id();
+    let baseline = rss_mb(pid);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for s in 0..16u32 {
+        let url = server.url.clone();
+        tasks.push(tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let (mut ok, mut resend, mut busy, mut latencies) = (0, 0, 0, Vec::new());
+            let mut context: Vec<u32> = (0..120).map(|i| 200 + (i * 37 + s * 101) % 20000).collect();
+            let mut session_len = 0u64;
+            for _ in 0..8 {
+                let draft: Vec<Value> = (0..4).map(|i| json!({"token": 300 + i, "q": [[300 + i, 1.0]]})).collect();
+                let body = if session_len == 0 {
+                    json!({"session_id": format!("load-{s}"), "context": context, "draft": draft, "sampling": {"temperature": 0.0}})
+                } else {
+                    json!({"session_id": format!("load-{s}"), "context": [], "context_start": session_len, "draft": draft, "sampling": {"temperature": 0.0}})
+                };
+                let t = Instant::now();
+                let (status, v) = post(&client, &url, &body).await;
+                latencies.push(t.elapsed().as_secs_f64());
+                match status {
+                    200 => {
+                        ok += 1;
+                        session_len = v["session_len"].as_u64().unwrap();
+                        let n = v["accepted"].as_u64().unwrap() as u32;
+                        context.extend(300..300 + n);
+                        context.push(v["next_token"].as_u64().unwrap() as u32);
+                    }
+                    409 => {
+                        resend += 1;
+                        session_len = 0; // evicted: send the whole context next time
+                    }
+                    429 => busy += 1,
+                    other => panic!("unexpected status {other}: {v}"),
+                }
+            }
+            (ok, resend, busy, latencies)
+        }));
+    }
+    let (mut ok, mut resend, mut busy, mut lat, mut peak) = (0, 0, 0, Vec::new(), baseline);
+    for t in tasks {
+        let (o, r, b, l) = t.await.unwrap();
+        ok += o;
+        resend += r;
+        busy += b;
+        lat.extend(l);
+        peak = peak.max(rss_mb(pid));
+    }
+    lat.sort_by(f64::total_cmp);
+    let pct = |q: f64| lat[((lat.len() - 1) as f64 * q) as usize] * 1000.0;
+    println!(
+        "16 sessions x 8 calls in {:.1}s: {ok} ok, {resend} resend (evicted), {busy} 429; latency p50 {:.0} ms, p99 {:.0} ms; RSS {baseline:.0} -> {peak:.0} MB (budget {BUDGET_MB} MB)",
+        started.elapsed().as_secs_f64(),
+        pct(0.5),
+        pct(0.99)
+    );
+    assert_eq!(ok + resend + busy, 128);
+    assert!(ok >= 64, "at least every other call should succeed even while sessions are evicted");
+    let metrics = reqwest::Client::new().get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    let cache_bytes: f64 = metrics.lines().find_map(|l| l.strip_prefix("spade_kv_cache_bytes ")).unwrap().parse().unwrap();
+    assert!(cache_bytes <= (BUDGET_MB * 1024 * 1024) as f64, "sessions hold {cache_bytes} bytes");
+    // Model + budget + allocator slack; a cache without a budget would hold 16 x 150 positions x 46 KB.
+    assert!(peak < baseline + BUDGET_MB as f64 + 150.0, "RSS {peak} MB vs baseline {baseline} MB");
+}

@@ -1,0 +1,335 @@
+//! Router tests: every status code and error path of the verifier, in-process, with a small
+//! deterministic scorer (the real model is exercised in tests/e2e.rs).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use clap::Parser;
+use serde_json::{json, Value};
+use spade_engine::{EngineError, ModelMeta, ScoreSession, Scorer};
+use spade_verifier::{router, Config, Verifier};
+use tower::ServiceExt;
+
+const VOCAB: u32 = 32;
+const SLOW_TOKEN: u32 = 30;
+
+/// Logits peak at (7 * last token) % 32; a context starting with SLOW_TOKEN takes 300 ms.
+struct FakeScorer {
+    meta: ModelMeta,
+}
+
+struct FakeSession {
+    tokens: Vec<u32>,
+}
+
+fn next_of(t: u32) -> u32 {
+    (t * 7 + 1) % VOCAB
+}
+
+impl ScoreSession for FakeSession {
+    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        if n_logits == 0 || n_logits > tokens.len() {
+            return Err(EngineError::InvalidRequest("bad n_logits".into()));
+        }
+        if tokens[0] == SLOW_TOKEN {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        self.tokens = tokens.to_vec();
+        Ok(tokens[tokens.len() - n_logits..]
+            .iter()
+            .map(|&t| (0..VOCAB).map(|j| -((j as f32 - next_of(t) as f32).abs())).collect())
+            .collect())
+    }
+    fn cached_tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    fn truncate(&mut self, len: usize) {
+        self.tokens.truncate(len);
+    }
+    fn memory_bytes(&self) -> usize {
+        self.tokens.len() * 1000
+    }
+}
+
+impl Scorer for FakeScorer {
+    fn meta(&self) -> &ModelMeta {
+        &self.meta
+    }
+    fn new_session(&self) -> Box<dyn ScoreSession> {
+        Box::new(FakeSession { tokens: Vec::new() })
+    }
+}
+
+fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
+    let mut args = vec!["spade-verifier", "--model", "fake.gguf", "--api-key", "sekret"];
+    args.extend_from_slice(extra);
+    let verifier = Arc::new(Verifier::new(&Config::parse_from(args)));
+    if ready {
+        verifier.set_scorer(Arc::new(FakeScorer {
+            meta: ModelMeta {
+                name: "fake".into(),
+                architecture: "fake".into(),
+                vocab_size: VOCAB,
+                stop_token_ids: vec![31],
+                tokenizer_fingerprint: "f".repeat(64),
+                max_context: 64,
+                chat_template: None,
+            },
+        }));
+    }
+    verifier
+}
+
+async fn call(state: &Arc<Verifier>, method: &str, path: &str, key: Option<&str>, body: Option<String>) -> (StatusCode, Value, axum::http::HeaderMap) {
+    let mut req = Request::builder().method(method).uri(path);
+    if let Some(k) = key {
+        req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
+    }
+    let req = match body {
+        Some(b) => req.header(header::CONTENT_TYPE, "application/json").body(Body::from(b)).unwrap(),
+        None => req.body(Body::empty()).unwrap(),
+    };
+    let resp = router(state.clone()).oneshot(req).await.unwrap();
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
+    let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, value, headers)
+}
+
+async fn verify(state: &Arc<Verifier>, body: Value) -> (StatusCode, Value) {
+    let (s, v, _) = call(state, "POST", "/verify", Some("sekret"), Some(body.to_string())).await;
+    (s, v)
+}
+
+fn greedy(context: &[u32], drafts: &[u32]) -> Value {
+    json!({
+        "context": context,
+        "draft": drafts.iter().map(|&t| json!({"token": t, "q": [[t, 1.0]]})).collect::<Vec<_>>(),
+        "sampling": {"temperature": 0.0},
+    })
+}
+
+/// An error body in OpenAI's shape, with the expected type, param and code.
+fn assert_error(v: &Value, kind: &str, param: Option<&str>, code: Option<&str>) {
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert_eq!(e["type"], kind, "{v}");
+    assert_eq!(e["param"].as_str(), param, "{v}");
+    assert_eq!(e["code"].as_str(), code, "{v}");
+}
+
+#[tokio::test]
+async fn health_reflects_loading() {
+    let (s, v, _) = call(&state(&[], false), "GET", "/health", None, None).await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("loading")));
+    let (s, _) = verify(&state(&[], false), greedy(&[1], &[])).await;
+    assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
+    let (s, v, _) = call(&state(&[], true), "GET", "/health", None, None).await;
+    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ready")));
+}
+
+#[tokio::test]
+async fn greedy_block_is_judged_and_repeatable() {
+    let st = state(&[], true);
+    // After 1 the target wants 8, then 25, then 16; the third draft is wrong.
+    let body = greedy(&[3, 1], &[8, 25, 5]);
+    let (s, v) = verify(&st, body.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(2), Some(16), Some("correction")));
+    assert_eq!(v["session_len"], 5);
+    assert_eq!(verify(&st, body).await.1["next_token"], v["next_token"]);
+    // All accepted: bonus.
+    let (_, v) = verify(&st, greedy(&[1], &[8, 25])).await;
+    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(2), Some(16), Some("bonus")));
+    // Logprobs come from the target and name the committed tokens.
+    let mut body = greedy(&[1], &[8]);
+    body["top_logprobs"] = json!(2);
+    let (_, v) = verify(&st, body).await;
+    let lp = v["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), 2);
+    assert_eq!(lp[0]["token"], 8);
+    assert_eq!(lp[0]["top"][0][0], 8);
+}
+
+#[tokio::test]
+async fn sampled_calls_are_deterministic_per_seed() {
+    let st = state(&[], true);
+    let body = json!({
+        "context": [4, 9],
+        "draft": [{"token": 3, "q": [[3, 0.5], [0, 0.5]]}, {"token": 12, "q": [[12, 1.0]]}],
+        "sampling": {"temperature": 1.0, "top_p": 0.9},
+        "seed": 11
+    });
+    let first = verify(&st, body.clone()).await;
+    assert_eq!(first.0, StatusCode::OK, "{}", first.1);
+    for _ in 0..5 {
+        let again = verify(&st, body.clone()).await.1;
+        assert_eq!((&again["accepted"], &again["next_token"]), (&first.1["accepted"], &first.1["next_token"]));
+    }
+}
+
+#[tokio::test]
+async fn malformed_bodies_are_400_in_openai_shape() {
+    let st = state(&[], true);
+    let (s, v, _) = call(&st, "POST", "/verify", Some("sekret"), Some("{not json".into())).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", None, Some("invalid_json"));
+    let (s, v) = verify(&st, json!({"context": "abc", "sampling": {}})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", None, Some("invalid_json"));
+    let (s, v) = verify(&st, json!({"context": [1], "sampling": {}, "surprise": 1})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "unknown fields are refused: {v}");
+    let (s, _) = verify(&st, json!({"sampling": {}})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "context is required");
+}
+
+#[tokio::test]
+async fn invalid_fields_name_their_param() {
+    let st = state(&[], true);
+    let cases = [
+        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [3, 0.4]]}], "sampling": {}}), "draft[0].q"),
+        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, -0.5], [3, 1.5]]}], "sampling": {}}), "draft[0].q"),
+        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [2, 0.5]]}], "sampling": {}}), "draft[0].q"),
+        (json!({"context": [1], "draft": [{"token": 2, "q": [[3, 1.0]]}], "sampling": {}}), "draft[0].token"),
+        (json!({"context": [1], "draft": [{"token": 99, "q": [[99, 1.0]]}], "sampling": {}}), "draft[0].token"),
+        (json!({"context": [1], "draft": [{"token": 2, "q": [[40, 1.0]]}], "sampling": {}}), "draft[0].q"),
+        (json!({"context": [1, 32], "sampling": {}}), "context"),
+        (json!({"context": [], "sampling": {}}), "context"),
+        (json!({"context": [1], "sampling": {"temperature": 3.0}}), "sampling.temperature"),
+        (json!({"context": [1], "sampling": {"top_p": 0.0}}), "sampling.top_p"),
+        (json!({"context": [1], "sampling": {}, "top_logprobs": 50}), "top_logprobs"),
+        (json!({"context": [1], "sampling": {}, "context_start": 3}), "context_start"),
+        (json!({"context": [1], "sampling": {}, "session_id": ""}), "session_id"),
+        (greedy(&[1], &[1; 40]), "draft"),
+    ];
+    for (body, param) in cases {
+        let (s, v) = verify(&st, body.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {v}");
+        assert_error(&v, "invalid_request_error", Some(param), None);
+    }
+    let (s, v) = verify(&st, greedy(&[1; 62], &[1, 2, 3])).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_error(&v, "invalid_request_error", Some("context"), Some("context_length_exceeded"));
+}
+
+#[tokio::test]
+async fn authentication_is_required_except_for_health() {
+    let st = state(&[], true);
+    for key in [None, Some("wrong"), Some("sekre"), Some("sekret2")] {
+        let (s, v, _) = call(&st, "POST", "/verify", key, Some(greedy(&[1], &[]).to_string())).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{key:?}");
+        assert_error(&v, "authentication_error", None, Some("invalid_api_key"));
+        assert_eq!(call(&st, "GET", "/v1/info", key, None).await.0, StatusCode::UNAUTHORIZED);
+        assert_eq!(call(&st, "GET", "/metrics", key, None).await.0, StatusCode::UNAUTHORIZED);
+    }
+    assert_eq!(call(&st, "GET", "/health", None, None).await.0, StatusCode::OK);
+    let (s, v, _) = call(&st, "GET", "/v1/info", Some("sekret"), None).await;
+    assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
+}
+
+#[tokio::test]
+async fn sessions_append_and_ask_for_a_resend_when_lost() {
+    let st = state(&[], true);
+    let mut body = greedy(&[3, 1], &[8, 25]);
+    body["session_id"] = json!("s1");
+    let (_, v) = verify(&st, body).await;
+    assert_eq!(v["session_len"], 5); // 3 1 8 25 16
+    // Only the new drafts: the verifier already holds the context.
+    let mut next = greedy(&[], &[next_of(16)]);
+    next["session_id"] = json!("s1");
+    next["context_start"] = json!(5);
+    let (s, v) = verify(&st, next).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!((v["accepted"].as_u64(), v["session_len"].as_u64()), (Some(1), Some(7)));
+    // Ahead of what the session holds, or an unknown session: resend.
+    for (id, start) in [("s1", 9), ("nobody", 2)] {
+        let mut lost = greedy(&[], &[]);
+        lost["session_id"] = json!(id);
+        lost["context_start"] = json!(start);
+        let (s, v) = verify(&st, lost).await;
+        assert_eq!(s, StatusCode::CONFLICT);
+        assert_error(&v, "invalid_request_error", Some("context_start"), Some("resend_context"));
+    }
+    // Rolling back (context_start inside the session) replaces the tail.
+    let mut rollback = greedy(&[2], &[]);
+    rollback["session_id"] = json!("s1");
+    rollback["context_start"] = json!(1);
+    let (_, v) = verify(&st, rollback).await;
+    assert_eq!((v["next_token"].as_u64(), v["session_len"].as_u64()), (Some(next_of(2) as u64), Some(3)));
+}
+
+#[tokio::test]
+async fn sessions_beyond_the_budget_are_evicted_oldest_first() {
+    // 1 MiB budget; the fake charges 1000 bytes per cached token.
+    let st = state(&["--cache-budget-mb", "1"], true);
+    for i in 0..30 {
+        let mut body = greedy(&[1; 40], &[]);
+        body["session_id"] = json!(format!("s{i}"));
+        assert_eq!(verify(&st, body).await.0, StatusCode::OK);
+    }
+    let mut old = greedy(&[], &[]);
+    old["session_id"] = json!("s0");
+    old["context_start"] = json!(41);
+    assert_eq!(verify(&st, old).await.0, StatusCode::CONFLICT, "the oldest session should be gone");
+    let mut recent = greedy(&[], &[]);
+    recent["session_id"] = json!("s29");
+    recent["context_start"] = json!(41);
+    assert_eq!(verify(&st, recent).await.0, StatusCode::OK);
+    let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
+    assert!(text.as_str().unwrap().contains("spade_sessions_evicted_total"));
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_413() {
+    let st = state(&["--max-body-bytes", "1024"], true);
+    let (s, v) = verify(&st, greedy(&[1; 600], &[])).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_error(&v, "invalid_request_error", None, Some("request_too_large"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_full_queue_answers_429_with_retry_after() {
+    let st = state(&["--queue-size", "0", "--workers", "1"], true);
+    let slow = { let st = st.clone(); tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await }) };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (s, v, headers) = call(&st, "POST", "/verify", Some("sekret"), Some(greedy(&[1], &[]).to_string())).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
+    assert_error(&v, "rate_limit_error", None, Some("queue_full"));
+    assert!(headers.get(header::RETRY_AFTER).is_some());
+    assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+    let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
+    assert!(text.as_str().unwrap().contains("spade_verify_queue_full_total 1"));
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_are_openai_shaped() {
+    let st = state(&[], true);
+    let (s, v, _) = call(&st, "GET", "/nope", Some("sekret"), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+    assert_error(&v, "invalid_request_error", None, Some("not_found"));
+    let (s, v, _) = call(&st, "GET", "/verify", Some("sekret"), None).await;
+    assert_eq!(s, StatusCode::METHOD_NOT_ALLOWED);
+    assert_error(&v, "invalid_request_error", None, Some("method_not_allowed"));
+}
+
+#[tokio::test]
+async fn metrics_count_calls_and_acceptance() {
+    let st = state(&[], true);
+    verify(&st, greedy(&[3, 1], &[8, 25, 5])).await;
+    let (s, text, headers) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(headers[header::CONTENT_TYPE].to_str().unwrap().starts_with("text/plain"));
+    let text = text.as_str().unwrap().to_string();
+    for line in [
+        "spade_verify_calls_total 1",
+        "spade_spec_decode_num_draft_tokens_total 3",
+        "spade_spec_decode_num_accepted_tokens_total 2",
+        "spade_spec_decode_num_accepted_tokens_per_pos{position=\"2\"} 0",
+        "spade_verify_forward_seconds_count 1",
+        "spade_ready 1",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+}
