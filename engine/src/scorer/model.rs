@@ -17,6 +17,9 @@ use crate::EngineError;
 /// Positions processed per forward chunk during long prefills (bounds activation memory).
 const CHUNK: usize = 256;
 
+/// Spare KV positions kept per layer, so a verify round's few appended rows rarely reallocate.
+const HEADROOM: usize = 64;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RopeStyle {
     /// llama GGUF (llama.cpp permutes q/k so adjacent pairs rotate together).
@@ -76,14 +79,15 @@ impl KvCache {
         self.len
     }
 
+    /// Drops positions from `len` on and trims spare capacity to [`HEADROOM`] positions, so the bytes a
+    /// session reports are the bytes it holds.
     pub fn truncate(&mut self, len: usize, row: usize) {
-        if len < self.len {
-            for k in self.keys.iter_mut().chain(self.values.iter_mut()) {
-                k.truncate(len * row);
-                k.shrink_to(len * row * 2);
-            }
-            self.len = len;
+        let len = len.min(self.len);
+        for k in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            k.truncate(len * row);
+            k.shrink_to((len + HEADROOM) * row);
         }
+        self.len = len;
     }
 
     pub fn bytes(&self) -> usize {
@@ -234,8 +238,14 @@ impl Transformer {
             add_bias(&mut v, layer.bv.as_deref());
             rope.apply(&mut q, cfg.n_heads, cfg);
             rope.apply(&mut k, cfg.n_kv_heads, cfg);
-            cache.keys[l].extend_from_slice(&k);
-            cache.values[l].extend_from_slice(&v);
+            for (buf, rows) in [(&mut cache.keys[l], &k), (&mut cache.values[l], &v)] {
+                // Grow by what is needed plus headroom, not by doubling: capacity is memory the
+                // session budget counts.
+                if buf.capacity() - buf.len() < rows.len() {
+                    buf.reserve_exact(rows.len() + HEADROOM * self.kv_row());
+                }
+                buf.extend_from_slice(rows);
+            }
             let attn = attention(cfg, &q, &cache.keys[l], &cache.values[l], start, m);
             let o = layer.wo.forward(&attn, m);
             add_into(&mut x, &o);
