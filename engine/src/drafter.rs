@@ -58,6 +58,8 @@ impl Default for DrafterOptions {
 struct Runner {
     model: Model,
     rounds: usize,
+    /// The dropped engine's thread frees its cache asynchronously: trim once more on the next round.
+    trim_pending: bool,
 }
 
 pub struct MistralDrafter {
@@ -70,11 +72,10 @@ pub struct MistralDrafter {
 impl MistralDrafter {
     /// Loads a GGUF model (local path, or hub file where a network exists) with F32 activations.
     pub async fn load(source: &ModelSource, options: DrafterOptions) -> Result<Self, EngineError> {
-        let meta = match source {
-            ModelSource::Local(path) => read_meta(path)?,
-            ModelSource::Hub { .. } => return Err(EngineError::Unsupported("hub models: load them once with a network, then pass the local file".into())),
-        };
-        let (dir, file) = source.dir_and_file();
+        let resolved = source.clone();
+        let path = tokio::task::spawn_blocking(move || resolved.resolve()).await.map_err(|e| EngineError::Drafter(e.to_string()))??;
+        let meta = read_meta(&path)?;
+        let (dir, file) = ModelSource::Local(path).dir_and_file();
         let pipeline = tokio::task::spawn_blocking(move || {
             let loader = GGUFLoaderBuilder::new(None, None, dir, vec![file], GGUFSpecificConfig { topology: None }, false, None).build();
             loader.load_model_from_hf(
@@ -93,7 +94,7 @@ impl MistralDrafter {
         .map_err(|e| EngineError::Drafter(format!("loading the draft model: {e}")))?;
         let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
         let model = build_runner(&pipeline, options.max_concurrent).await;
-        Ok(Self { meta, pipeline, runner: RwLock::new(Runner { model, rounds: 0 }), options })
+        Ok(Self { meta, pipeline, runner: RwLock::new(Runner { model, rounds: 0, trim_pending: false }), options })
     }
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
@@ -157,6 +158,7 @@ impl MistralDrafter {
             tracing::debug!(rounds = runner.rounds, "rebuilding the draft engine to drop its prefix cache");
             runner.model = build_runner(&self.pipeline, self.options.max_concurrent).await;
             runner.rounds = 0;
+            runner.trim_pending = true;
             release_freed_memory();
         }
     }
@@ -273,6 +275,9 @@ impl Drafter for MistralDrafter {
         {
             let mut runner = self.runner.write().await;
             runner.rounds += 1;
+            if std::mem::take(&mut runner.trim_pending) {
+                release_freed_memory();
+            }
         }
         let runner = self.runner.read().await;
         let generate = if self.options.fill_kv { n + 1 } else { n };

@@ -45,12 +45,15 @@ impl ModelSource {
         }
     }
 
-    pub fn local_path(&self) -> Result<&Path, EngineError> {
+    /// A local file for this source: the path itself, or the hub file downloaded into (or found in)
+    /// the Hugging Face cache. Blocking; call from a blocking context.
+    pub fn resolve(&self) -> Result<PathBuf, EngineError> {
         match self {
-            Self::Local(p) => Ok(p),
-            Self::Hub { repo, file } => Err(EngineError::Unsupported(format!(
-                "{repo}:{file}: the candle scorer loads local GGUF files only; download it first"
-            ))),
+            Self::Local(p) => Ok(p.clone()),
+            Self::Hub { repo, file } => {
+                let api = hf_hub::api::sync::Api::new().map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))?;
+                api.model(repo.clone()).get(file).map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))
+            }
         }
     }
 }
@@ -158,6 +161,25 @@ pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<()
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_paths_and_hub_ids() {
+        let here = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        assert_eq!(ModelSource::parse(here).unwrap(), ModelSource::Local(PathBuf::from(here)));
+        assert_eq!(
+            ModelSource::parse("bartowski/Llama-3.2-1B-Instruct-GGUF:Llama-3.2-1B-Instruct-Q4_K_M.gguf").unwrap(),
+            ModelSource::Hub { repo: "bartowski/Llama-3.2-1B-Instruct-GGUF".into(), file: "Llama-3.2-1B-Instruct-Q4_K_M.gguf".into() }
+        );
+        // A mistyped path must not turn into a network call.
+        for bad in ["models/missing.gguf", "/abs/missing.gguf", "owner/repo", "owner/repo:weights.bin", "a/b/c:x.gguf"] {
+            assert!(matches!(ModelSource::parse(bad), Err(EngineError::ModelNotFound(_))), "{bad}");
+        }
+    }
 }
 
 /// Reads the metadata of a local GGUF file.

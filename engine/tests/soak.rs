@@ -37,10 +37,11 @@ async fn soak_memory_stays_bounded() {
         }
     }
     println!("RSS (MB) every 32 rounds: {samples:?}; {:.1}s for 320 rounds", started.elapsed().as_secs_f64());
-    // The never-evicted cache grows between rebuilds (a sawtooth); what must not happen is growth
-    // across rebuilds. Compare the peaks of the first and second half of the run.
+    // The never-evicted cache grows between rebuilds (a sawtooth of ~11 MB a round here); what must
+    // not happen is growth across rebuilds. Unbounded, the 160 rounds between the two halves' peaks
+    // would add ~1.8 GB; allow a quarter of that for allocator and context-length noise.
     let half = samples.len() / 2;
     let peak = |xs: &[f64]| xs.iter().cloned().fold(0.0, f64::max);
     let (early, late) = (peak(&samples[..half]), peak(&samples[half..]));
-    assert!(late < early + 100.0, "RSS peaks grew from {early} MB to {late} MB across engine rebuilds");
+    assert!(late < early + 450.0, "RSS peaks grew from {early} MB to {late} MB across engine rebuilds");
 }

@@ -10,7 +10,8 @@ pub struct Config {
     #[command(subcommand)]
     pub command: Option<Command>,
 
-    /// Target model: a local GGUF file (llama or qwen2 architecture).
+    /// Target model: a local GGUF file (llama or qwen2 architecture), or `owner/repo:file.gguf` on the
+    /// Hugging Face hub where a network exists.
     #[arg(long, env = "SPADE_VERIFIER_MODEL")]
     pub model: Option<String>,
 
@@ -72,7 +73,7 @@ impl Config {
     /// Refuses settings that would expose an unauthenticated verifier or cannot work.
     pub fn check(&self) -> Result<(), String> {
         if self.model.is_none() {
-            return Err("--model (or SPADE_VERIFIER_MODEL) is required: a path to a GGUF file".into());
+            return Err("--model (or SPADE_VERIFIER_MODEL) is required: a GGUF file or owner/repo:file.gguf".into());
         }
         if !self.host.is_loopback() && self.api_key.as_deref().is_none_or(str::is_empty) {
             return Err(format!("refusing to bind {} without --api-key (SPADE_VERIFIER_API_KEY): the verifier would be open to anyone", self.host));

@@ -1,9 +1,8 @@
-use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use spade_engine::CandleScorer;
+use spade_engine::{CandleScorer, ModelSource};
 use spade_verifier::config::Command;
 use spade_verifier::{openapi, serve, shutdown_signal, Config, Verifier};
 use tracing_subscriber::EnvFilter;
@@ -44,7 +43,7 @@ async fn main() -> ExitCode {
     let model = config.model.clone().unwrap_or_default();
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<()>();
     let loading = state.clone();
-    tokio::task::spawn_blocking(move || match CandleScorer::load(Path::new(&model)) {
+    tokio::task::spawn_blocking(move || match ModelSource::parse(&model).and_then(|source| CandleScorer::load_source(&source)) {
         Ok(scorer) => {
             tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded; ready");
             loading.set_scorer(Arc::new(scorer));

@@ -24,6 +24,10 @@ impl Session {
 
 pub type SharedSession = Arc<AsyncMutex<Session>>;
 
+/// What the budget charges a session at least, so that many tiny sessions cannot grow the map
+/// without limit.
+const MIN_SESSION_BYTES: usize = 4096;
+
 struct Slot {
     session: SharedSession,
     last_used: u64,
@@ -58,9 +62,19 @@ impl SessionStore {
         let slot = inner
             .slots
             .entry(id.to_string())
-            .or_insert_with(|| Slot { session: Arc::new(AsyncMutex::new(make())), last_used: now, bytes: 0 });
+            .or_insert_with(|| Slot { session: Arc::new(AsyncMutex::new(make())), last_used: now, bytes: MIN_SESSION_BYTES });
         slot.last_used = now;
         slot.session.clone()
+    }
+
+    /// The session named `id`, if it exists (never creates one).
+    pub fn get(&self, id: &str) -> Option<SharedSession> {
+        let mut inner = self.lock();
+        inner.clock += 1;
+        let now = inner.clock;
+        let slot = inner.slots.get_mut(id)?;
+        slot.last_used = now;
+        Some(slot.session.clone())
     }
 
     /// Records a session's size after a call, then evicts idle sessions, least recently used first,
@@ -68,7 +82,7 @@ impl SessionStore {
     pub fn update_size(&self, id: &str, bytes: usize) -> usize {
         let mut inner = self.lock();
         if let Some(slot) = inner.slots.get_mut(id) {
-            slot.bytes = bytes;
+            slot.bytes = bytes.max(MIN_SESSION_BYTES);
         }
         let mut evicted = 0;
         while inner.slots.values().map(|s| s.bytes).sum::<usize>() > self.budget_bytes {

@@ -117,7 +117,9 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let (permit, queued) = state.admission.admit().await?;
 
     let new_session = || Session::new(scorer.new_session());
+    // A delta needs an existing session; only a full context may create one.
     let session = match &valid.session_id {
+        Some(id) if valid.context_start > 0 => state.sessions.get(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?,
         Some(id) => state.sessions.get_or_create(id, new_session),
         None => Arc::new(AsyncMutex::new(new_session())),
     };

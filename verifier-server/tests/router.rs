@@ -252,6 +252,9 @@ async fn sessions_append_and_ask_for_a_resend_when_lost() {
         assert_eq!(s, StatusCode::CONFLICT);
         assert_error(&v, "invalid_request_error", Some("context_start"), Some("resend_context"));
     }
+    // The unknown session was not created by asking.
+    let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
+    assert!(text.as_str().unwrap().contains("\nspade_sessions 1\n"), "{text}");
     // Rolling back (context_start inside the session) replaces the tail.
     let mut rollback = greedy(&[2], &[]);
     rollback["session_id"] = json!("s1");

@@ -6,7 +6,7 @@ mod qweight;
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::gguf::{GgufFile, ModelMeta};
+use crate::gguf::{GgufFile, ModelMeta, ModelSource};
 use crate::{EngineError, ScoreSession, Scorer};
 pub use model::KvCache;
 use model::Transformer;
@@ -18,6 +18,11 @@ pub struct CandleScorer {
 }
 
 impl CandleScorer {
+    /// Loads a local GGUF file, or a hub file (`owner/repo:file.gguf`) where a network exists. Blocking.
+    pub fn load_source(source: &ModelSource) -> Result<Self, EngineError> {
+        Self::load(&source.resolve()?)
+    }
+
     pub fn load(path: &Path) -> Result<Self, EngineError> {
         if !path.is_file() {
             return Err(EngineError::ModelNotFound(path.display().to_string()));
