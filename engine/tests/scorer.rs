@@ -78,3 +78,13 @@ async fn agrees_with_mistralrs_raw_logits() {
         assert!(checked > ours.len() / 2);
     }
 }
+
+#[test]
+fn a_pair_with_different_vocabularies_is_refused() {
+    use spade_engine::{check_same_vocabulary, read_meta, EngineError};
+    let (tiny, draft, target) = (read_meta(&model_path(TINY)).unwrap(), read_meta(&model_path(DRAFT)).unwrap(), read_meta(&model_path(TARGET)).unwrap());
+    check_same_vocabulary(&draft, &target).expect("the Qwen pair shares one tokenizer");
+    let err = check_same_vocabulary(&tiny, &target).unwrap_err();
+    assert!(matches!(err, EngineError::VocabMismatch(_)), "{err}");
+    assert!(err.to_string().contains("fingerprint"), "the message should say why: {err}");
+}

@@ -103,10 +103,6 @@ impl SessionStore {
         evicted
     }
 
-    pub fn remove(&self, id: &str) {
-        self.lock().slots.remove(id);
-    }
-
     /// (sessions, bytes held).
     pub fn usage(&self) -> (usize, usize) {
         let inner = self.lock();

@@ -127,11 +127,9 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     if valid.context_start > guard.committed.len() {
         return Err(ApiError::ResendContext(valid.session_id.unwrap_or_default()));
     }
+    // Non-empty: validation refused an empty full context, and a delta starts after committed ids.
     let mut context = guard.committed[..valid.context_start].to_vec();
     context.extend_from_slice(&valid.context);
-    if context.is_empty() {
-        return Err(ApiError::invalid("context", "the context is empty"));
-    }
 
     let ValidVerify { drafts, sampling, seed, top_logprobs, session_id, .. } = valid;
     let drafted = drafts.len();
