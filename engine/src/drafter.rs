@@ -75,7 +75,9 @@ impl MistralDrafter {
         let resolved = source.clone();
         let path = tokio::task::spawn_blocking(move || resolved.resolve()).await.map_err(|e| EngineError::Drafter(e.to_string()))??;
         let meta = read_meta(&path)?;
-        let (dir, file) = ModelSource::Local(path).dir_and_file();
+        // mistral.rs's GGUF loader wants the directory and the file name apart.
+        let dir = path.parent().map(|d| d.display().to_string()).filter(|d| !d.is_empty()).unwrap_or_else(|| ".".into());
+        let file = path.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default();
         let pipeline = tokio::task::spawn_blocking(move || {
             let loader = GGUFLoaderBuilder::new(None, None, dir, vec![file], GGUFSpecificConfig { topology: None }, false, None).build();
             loader.load_model_from_hf(

@@ -34,17 +34,6 @@ impl ModelSource {
         }
     }
 
-    /// Directory (or hub repo id) and file name, as mistral.rs's GGUF loader wants them.
-    pub fn dir_and_file(&self) -> (String, String) {
-        match self {
-            Self::Local(p) => (
-                p.parent().map(|d| d.display().to_string()).filter(|d| !d.is_empty()).unwrap_or_else(|| ".".into()),
-                p.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-            ),
-            Self::Hub { repo, file } => (repo.clone(), file.clone()),
-        }
-    }
-
     /// A local file for this source: the path itself, or the hub file downloaded into (or found in)
     /// the Hugging Face cache. Blocking; call from a blocking context.
     pub fn resolve(&self) -> Result<PathBuf, EngineError> {
