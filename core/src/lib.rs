@@ -4,17 +4,23 @@
 //! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
 //! - [`verify`]: the speculative-sampling rule, general and greedy.
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
+//! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
+//! - [`metrics`]: Prometheus rendering and the constant-time secret comparison both servers use.
 //! - [`openai`], [`protocol`], [`error`]: wire types of the public API, of `/verify`, and the error body.
 
 pub mod dist;
 pub mod error;
+pub mod metrics;
 pub mod openai;
 pub mod protocol;
 pub mod rng;
 pub mod sampling;
+pub mod text;
 pub mod verify;
 
 pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};
+pub use metrics::{constant_time_eq, Histogram};
 pub use sampling::{distribution, SamplingError, SamplingParams};
 pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};
+pub use text::{IncrementalDecoder, StopMatcher, StopStep};

@@ -64,6 +64,7 @@ struct Runner {
 
 pub struct MistralDrafter {
     meta: ModelMeta,
+    tokenizer: Arc<tokenizers::Tokenizer>,
     pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>>,
     runner: RwLock<Runner>,
     options: DrafterOptions,
@@ -95,12 +96,17 @@ impl MistralDrafter {
         .map_err(|e| EngineError::Drafter(e.to_string()))?
         .map_err(|e| EngineError::Drafter(format!("loading the draft model: {e}")))?;
         let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
+        let tokenizer = pipeline.lock().await.tokenizer().ok_or_else(|| EngineError::Drafter("the draft model has no tokenizer".into()))?;
         let model = build_runner(&pipeline, options.max_concurrent).await;
-        Ok(Self { meta, pipeline, runner: RwLock::new(Runner { model, rounds: 0, trim_pending: false }), options })
+        Ok(Self { meta, tokenizer, pipeline, runner: RwLock::new(Runner { model, rounds: 0, trim_pending: false }), options })
     }
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
     pub async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+        <Self as crate::EdgeModel>::encode_chat(self, messages).await
+    }
+
+    async fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
         let mut m = TextMessages::new();
         for (role, content) in messages {
             let role = match role.as_str() {
@@ -121,8 +127,7 @@ impl MistralDrafter {
     }
 
     pub async fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
-        let runner = self.runner.read().await;
-        runner.model.detokenize(tokens.to_vec(), false).await.map_err(|e| EngineError::Drafter(e.to_string()))
+        <Self as crate::EdgeModel>::decode(self, tokens)
     }
 
     /// mistral.rs's own logits at every position of `tokens` (`return_raw_logits`). Raw requests bypass
@@ -307,5 +312,16 @@ impl Drafter for MistralDrafter {
             drafts.truncate(end + 1);
         }
         Ok(drafts)
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::EdgeModel for MistralDrafter {
+    async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+        self.apply_chat_template(messages).await
+    }
+
+    fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        self.tokenizer.decode(tokens, true).map_err(|e| EngineError::Drafter(format!("decoding: {e}")))
     }
 }

@@ -37,6 +37,15 @@ pub trait Drafter: Send + Sync {
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
 }
 
+/// The edge model as the gateway sees it: a drafter that also owns the chat template and tokenizer.
+#[async_trait::async_trait]
+pub trait EdgeModel: Drafter {
+    /// `(role, content)` messages through the model's chat template, with the assistant turn opened.
+    async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError>;
+    /// Ids to text, special tokens skipped. Cheap and synchronous: called for every streamed token.
+    fn decode(&self, tokens: &[u32]) -> Result<String, EngineError>;
+}
+
 /// The cloud model. Weights are shared; each context gets its own [`ScoreSession`].
 pub trait Scorer: Send + Sync {
     fn meta(&self) -> &ModelMeta;

@@ -1,0 +1,213 @@
+//! `POST /v1/chat/completions`: validate, encode, start the generation, answer as JSON or SSE.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use rand::Rng;
+use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, MessageContent, Role, StopSequences};
+use spade_core::{ErrorBody, SamplingParams};
+use tokio::sync::mpsc;
+
+use crate::config::OfflineFallback;
+use crate::error::{ApiError, Json};
+use crate::generation::{self, Event, Job};
+use crate::respond;
+use crate::state::AppState;
+
+const MAX_STOPS: usize = 16;
+const MAX_TOP_LOGPROBS: u8 = 20;
+
+/// A request that passed validation; the prompt is not encoded yet.
+#[derive(Debug, Clone)]
+pub struct ValidChat {
+    pub messages: Vec<(String, String)>,
+    pub sampling: SamplingParams,
+    pub max_tokens: Option<usize>,
+    pub stops: Vec<String>,
+    pub seed: Option<u64>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub top_logprobs: Option<u8>,
+}
+
+fn refuse(param: &str, message: &str) -> ApiError {
+    ApiError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }
+}
+
+pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must contain at least one message"));
+    }
+    let mut messages = Vec::with_capacity(req.messages.len());
+    for (i, m) in req.messages.iter().enumerate() {
+        let role = match m.role {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => return Err(refuse(&format!("messages[{i}].role"), "tool messages are not supported (SPADE does not support tools)")),
+        };
+        let content = match &m.content {
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        ("text", None) => return Err(ApiError::invalid(format!("messages[{i}].content[{j}].text"), "a text part needs `text`")),
+                        (kind, _) => {
+                            return Err(refuse(&format!("messages[{i}].content[{j}].type"), &format!("content parts of type {kind:?} are not supported; only \"text\"")))
+                        }
+                    }
+                }
+                text
+            }
+            None => return Err(ApiError::invalid(format!("messages[{i}].content"), "every message needs content")),
+        };
+        messages.push((role.to_string(), content));
+    }
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
+    }
+    if req.presence_penalty.is_some_and(|p| p != 0.0) {
+        return Err(refuse("presence_penalty", "presence_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly"));
+    }
+    if req.frequency_penalty.is_some_and(|p| p != 0.0) {
+        return Err(refuse("frequency_penalty", "frequency_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly"));
+    }
+    if req.logit_bias.as_ref().is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty())) {
+        return Err(refuse("logit_bias", "logit_bias is not supported"));
+    }
+    if let Some(format) = req.response_format.as_ref().filter(|f| !f.is_null()) {
+        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
+            return Err(refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)"));
+        }
+    }
+    if req.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(refuse("tools", "tools are not supported"));
+    }
+    if req.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
+        return Err(refuse("tool_choice", "tool_choice is not supported (only \"none\")"));
+    }
+    let sampling = SamplingParams {
+        temperature: req.temperature.unwrap_or(1.0),
+        top_p: req.top_p.unwrap_or(1.0),
+        top_k: req.top_k.unwrap_or(0),
+        min_p: req.min_p.unwrap_or(0.0),
+    };
+    sampling.validate().map_err(|e| match e {
+        spade_core::SamplingError::InvalidParam { name, .. } => ApiError::invalid(name, e.to_string()),
+        other => ApiError::invalid("temperature", other.to_string()),
+    })?;
+    let (name, max) = match (req.max_completion_tokens, req.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max {
+        Some(m) if m < 1 => return Err(ApiError::invalid(name, format!("{name} must be at least 1 (got {m})"))),
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let stops = match req.stop {
+        None => Vec::new(),
+        Some(StopSequences::One(s)) => vec![s],
+        Some(StopSequences::Many(v)) => v,
+    };
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop sequences")));
+    }
+    if !req.stream && req.stream_options.is_some() {
+        return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
+    }
+    let top_logprobs = match (req.logprobs, req.top_logprobs) {
+        (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true")),
+        (true, Some(n)) if n > MAX_TOP_LOGPROBS => return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"))),
+        (true, n) => Some(n.unwrap_or(0)),
+        (false, None) => None,
+    };
+    Ok(ValidChat {
+        messages,
+        sampling,
+        max_tokens,
+        stops,
+        seed: req.seed.map(|s| s as u64),
+        stream: req.stream,
+        include_usage: req.stream_options.is_some_and(|o| o.include_usage),
+        top_logprobs,
+    })
+}
+
+/// Create a chat completion.
+///
+/// Drafts with the edge model, verifies every block with the cloud model, and returns the cloud
+/// model's output: identical to it token for token under greedy decoding (temperature 0), and with
+/// its distribution under sampling. With `stream: true` the answer is a `text/event-stream` of
+/// `chat.completion.chunk` objects ending in `data: [DONE]`; an error during the stream arrives as a
+/// `data: {"error": {...}}` event, after which the stream ends.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    request_body = ChatCompletionRequest,
+    responses(
+        (status = 200, description = "The completion (`stream: false`), or a stream of chunks (`stream: true`)",
+            content(
+                (ChatCompletion = "application/json"),
+                (ChatCompletionChunk = "text/event-stream"),
+            )),
+        (status = 400, description = "Invalid or unsupported parameter (named in `error.param`), or prompt too long (`code: context_length_exceeded`)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
+        (status = 413, description = "Body over the size limit", body = ErrorBody),
+        (status = 502, description = "The verifier answered with an error, or its vocabulary differs from the draft model's", body = ErrorBody),
+        (status = 503, description = "Draft model loading, or verifier unreachable (`x-should-retry: false`)", body = ErrorBody),
+    ),
+    security((), ("bearer" = []))
+)]
+pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<ChatCompletionRequest>) -> Result<Response, ApiError> {
+    state.metrics.record_request();
+    // Failures after the generation starts are counted by the generation itself.
+    let (valid, job) = prepare(&state, req).await.inspect_err(|_| state.metrics.record_failure())?;
+    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), state.settings.draft_len, valid.top_logprobs.is_some());
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(generation::run(state.clone(), job, tx));
+    // Wait for the first event, so a failure before any output gets a real status code.
+    let first = rx.recv().await.ok_or_else(|| ApiError::Internal("the generation ended without a result".into()))?;
+    if let Event::Failed(e) = first {
+        return Err(e);
+    }
+    if valid.stream {
+        Ok(respond::stream(meta, first, rx, valid.include_usage, state.settings.keep_alive).into_response())
+    } else {
+        respond::collect(meta, first, rx).await.map(|c| Json(c).into_response())
+    }
+}
+
+/// Validates, encodes the prompt and sizes the token budget against the context window.
+async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidChat, Job), ApiError> {
+    let valid = validate(req)?;
+    let model = state.model()?.clone();
+    let prompt = model.encode_chat(&valid.messages).await?;
+    let (max_context, verify) = match state.verifier_info().await {
+        Ok(info) => (info.max_context.min(model.meta().max_context) as usize, true),
+        Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
+            tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
+            (model.meta().max_context as usize, false)
+        }
+        Err(e) => return Err(e),
+    };
+    let too_long = |message: String| ApiError::Invalid { message, param: Some("messages".into()), code: Some("context_length_exceeded") };
+    if prompt.len() >= max_context {
+        return Err(too_long(format!("the prompt is {} tokens; the model's context is {max_context}", prompt.len())));
+    }
+    let room = max_context - prompt.len();
+    if let Some(m) = valid.max_tokens.filter(|&m| m > room) {
+        return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
+    }
+    let job = Job {
+        prompt,
+        max_tokens: valid.max_tokens.unwrap_or(room),
+        sampling: valid.sampling,
+        seed: valid.seed.unwrap_or_else(|| rand::rng().random()),
+        stops: valid.stops.clone(),
+        top_logprobs: valid.top_logprobs,
+        verify,
+    };
+    Ok((valid, job))
+}

@@ -1,0 +1,148 @@
+//! Command line and environment: the one place configuration is read.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Clone, Parser)]
+#[command(name = "spade-gateway", version, about = "SPADE edge gateway: OpenAI-compatible chat completions, drafted locally, verified in the cloud")]
+pub struct Config {
+    #[command(subcommand)]
+    pub command: Option<Command>,
+
+    /// Draft model: a local GGUF file, or `owner/repo:file.gguf` on the Hugging Face hub where a
+    /// network exists. Must share the verifier model's tokenizer.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_MODEL")]
+    pub draft_model: Option<String>,
+
+    /// Base URL of the verifier (`spade-verifier`).
+    #[arg(long, env = "SPADE_GATEWAY_VERIFIER_URL", default_value = "http://127.0.0.1:8081")]
+    pub verifier_url: String,
+
+    /// Bearer token for the verifier.
+    #[arg(long, env = "SPADE_VERIFIER_API_KEY", hide_env_values = true)]
+    pub verifier_api_key: Option<String>,
+
+    /// Address to bind. The default keeps the gateway private to this machine.
+    #[arg(long, env = "SPADE_GATEWAY_HOST", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+
+    #[arg(long, env = "SPADE_GATEWAY_PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Bearer token clients must present on /v1/* and /metrics (optional; /health stays open).
+    #[arg(long, env = "SPADE_GATEWAY_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Draft tokens per verify call; 0 sends no drafts (target-only decoding through the verifier).
+    /// The default 4 was the best tokens per call vs draft time on the Qwen2.5-Coder 0.5B/1.5B pair.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value_t = 4)]
+    pub draft_len: usize,
+
+    /// What to do when the verifier is unreachable: `off` fails the request with 503; `draft`
+    /// continues with the draft model alone and marks the response `spade.degraded: true`.
+    #[arg(long, env = "SPADE_GATEWAY_OFFLINE_FALLBACK", value_enum, default_value_t = OfflineFallback::Off)]
+    pub offline_fallback: OfflineFallback,
+
+    /// Seconds to open a connection to the verifier.
+    #[arg(long, env = "SPADE_GATEWAY_CONNECT_TIMEOUT_SECS", default_value_t = 5.0)]
+    pub connect_timeout_secs: f64,
+
+    /// Seconds one verify call may take (queueing on the verifier included) before it is retried.
+    #[arg(long, env = "SPADE_GATEWAY_VERIFY_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub verify_timeout_secs: f64,
+
+    /// Retries of a failed verify call (connection errors, timeouts, 429, 5xx). `/verify` is
+    /// idempotent: a retry gets the same answer.
+    #[arg(long, env = "SPADE_GATEWAY_VERIFY_RETRIES", default_value_t = 2)]
+    pub verify_retries: u32,
+
+    /// The model id clients see in `/v1/models` and responses.
+    #[arg(long, env = "SPADE_GATEWAY_MODEL_NAME", default_value = "spade")]
+    pub model_name: String,
+
+    /// Generations drafted at once by the draft engine.
+    #[arg(long, env = "SPADE_GATEWAY_MAX_CONCURRENT", default_value_t = 8)]
+    pub max_concurrent: usize,
+
+    /// Largest accepted request body, in bytes.
+    #[arg(long, env = "SPADE_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+
+    /// Seconds between SSE keep-alive comments on a quiet stream.
+    #[arg(long, env = "SPADE_GATEWAY_KEEP_ALIVE_SECS", default_value_t = 10)]
+    pub keep_alive_secs: u64,
+
+    /// Log filter (tracing-subscriber syntax), e.g. `info` or `spade_gateway=debug`.
+    #[arg(long, env = "SPADE_GATEWAY_LOG", default_value = "info")]
+    pub log: String,
+
+    /// Log as JSON lines.
+    #[arg(long, env = "SPADE_GATEWAY_LOG_JSON")]
+    pub log_json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OfflineFallback {
+    Off,
+    Draft,
+}
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum Command {
+    /// Print the OpenAPI document and exit.
+    Openapi,
+}
+
+impl Config {
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::new(self.host, self.port)
+    }
+
+    pub fn verify_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.verify_timeout_secs)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.connect_timeout_secs)
+    }
+
+    /// Refuses settings that cannot work.
+    pub fn check(&self) -> Result<(), String> {
+        if self.draft_model.is_none() {
+            return Err("--draft-model (or SPADE_GATEWAY_DRAFT_MODEL) is required: a GGUF file or owner/repo:file.gguf".into());
+        }
+        if !(self.verifier_url.starts_with("http://") || self.verifier_url.starts_with("https://")) {
+            return Err(format!("--verifier-url {:?} must start with http:// or https://", self.verifier_url));
+        }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
+            return Err("timeouts must be positive numbers of seconds".into());
+        }
+        if self.draft_len > 32 {
+            return Err("--draft-len must be at most 32 (the verifier's default --max-draft)".into());
+        }
+        if self.max_concurrent == 0 || self.keep_alive_secs == 0 {
+            return Err("--max-concurrent and --keep-alive-secs must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Where the settings are risky but legal: said once at start.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if !self.host.is_loopback() && self.api_key.as_deref().is_none_or(str::is_empty) {
+            out.push(format!("binding {} without --api-key: anyone who can reach it can spend your verifier's time", self.host));
+        }
+        if self.verifier_url.starts_with("http://") && !is_local_url(&self.verifier_url) {
+            out.push("the verifier URL is plain http to another host: prompts and the API key travel unencrypted (use https or a TLS proxy)".into());
+        }
+        out
+    }
+}
+
+fn is_local_url(url: &str) -> bool {
+    let host = url.trim_start_matches("http://").split(['/', ':']).next().unwrap_or("");
+    host == "localhost" || host.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}

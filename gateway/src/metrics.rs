@@ -1,0 +1,122 @@
+//! Prometheus metrics of the gateway: requests, time to first token, tokens/s, acceptance, verify
+//! latency and the verify calls speculation saved.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use spade_core::metrics::render_scalar;
+use spade_core::Histogram;
+
+const SECONDS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const TOKENS_PER_SECOND: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0];
+
+/// What one finished generation reports.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationRecord {
+    pub completion_tokens: u64,
+    pub verify_calls: u64,
+    pub drafted: u64,
+    pub accepted: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub degraded: bool,
+    pub ttft: Option<Duration>,
+    pub duration: Duration,
+}
+
+pub struct Metrics {
+    requests: AtomicU64,
+    failures: AtomicU64,
+    degraded: AtomicU64,
+    completion_tokens: AtomicU64,
+    verify_calls: AtomicU64,
+    drafted: AtomicU64,
+    accepted: AtomicU64,
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    ttft: Mutex<Histogram>,
+    tokens_per_second: Mutex<Histogram>,
+    verify_latency: Mutex<Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            requests: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            degraded: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            verify_calls: AtomicU64::new(0),
+            drafted: AtomicU64::new(0),
+            accepted: AtomicU64::new(0),
+            bytes_sent: AtomicU64::new(0),
+            bytes_received: AtomicU64::new(0),
+            ttft: Mutex::new(Histogram::new(SECONDS)),
+            tokens_per_second: Mutex::new(Histogram::new(TOKENS_PER_SECOND)),
+            verify_latency: Mutex::new(Histogram::new(SECONDS)),
+        }
+    }
+}
+
+fn observe(h: &Mutex<Histogram>, v: f64) {
+    h.lock().unwrap_or_else(|p| p.into_inner()).observe(v);
+}
+
+impl Metrics {
+    pub fn record_request(&self) {
+        self.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn record_failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn record_verify_latency(&self, latency: Duration) {
+        observe(&self.verify_latency, latency.as_secs_f64());
+    }
+
+    pub fn record_generation(&self, r: &GenerationRecord) {
+        let add = |a: &AtomicU64, v: u64| a.fetch_add(v, Ordering::Relaxed);
+        add(&self.completion_tokens, r.completion_tokens);
+        add(&self.verify_calls, r.verify_calls);
+        add(&self.drafted, r.drafted);
+        add(&self.accepted, r.accepted);
+        add(&self.bytes_sent, r.bytes_sent);
+        add(&self.bytes_received, r.bytes_received);
+        add(&self.degraded, u64::from(r.degraded));
+        if let Some(ttft) = r.ttft {
+            observe(&self.ttft, ttft.as_secs_f64());
+        }
+        if r.completion_tokens > 0 && !r.duration.is_zero() {
+            observe(&self.tokens_per_second, r.completion_tokens as f64 / r.duration.as_secs_f64());
+        }
+    }
+
+    pub fn render(&self, ready: bool) -> String {
+        let mut out = String::new();
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut counter = |name: &str, help: &str, v: u64| render_scalar(&mut out, "counter", name, help, v);
+        counter("spade_gateway_requests_total", "Chat completion requests received.", load(&self.requests));
+        counter("spade_gateway_request_failures_total", "Requests that ended in an error (before or during the stream).", load(&self.failures));
+        counter("spade_gateway_degraded_total", "Generations finished by the draft model alone (verifier unreachable).", load(&self.degraded));
+        counter("spade_gateway_completion_tokens_total", "Tokens generated.", load(&self.completion_tokens));
+        counter("spade_gateway_verify_calls_total", "Verify calls made (target forward passes paid for).", load(&self.verify_calls));
+        // Target-only decoding pays one call per token: every token beyond one per call is a call saved.
+        let saved = load(&self.completion_tokens).saturating_sub(load(&self.verify_calls));
+        counter("spade_gateway_verify_calls_saved_total", "Target forward passes saved versus target-only decoding.", saved);
+        counter("spade_gateway_spec_decode_num_draft_tokens_total", "Draft tokens sent for verification.", load(&self.drafted));
+        counter("spade_gateway_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.", load(&self.accepted));
+        counter("spade_gateway_bytes_sent_total", "Bytes of /verify requests.", load(&self.bytes_sent));
+        counter("spade_gateway_bytes_received_total", "Bytes of /verify answers.", load(&self.bytes_received));
+        let drafted = load(&self.drafted);
+        let rate = if drafted == 0 { 0.0 } else { load(&self.accepted) as f64 / drafted as f64 };
+        render_scalar(&mut out, "gauge", "spade_gateway_acceptance_rate", "Accepted over drafted tokens since start.", rate);
+        render_scalar(&mut out, "gauge", "spade_gateway_ready", "1 when the draft model is loaded.", u8::from(ready));
+        let lock = |h: &Mutex<Histogram>| h.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        lock(&self.ttft).render(&mut out, "spade_gateway_time_to_first_token_seconds", "Time from request to the first streamed text.");
+        lock(&self.tokens_per_second).render(&mut out, "spade_gateway_tokens_per_second", "Generated tokens per second of each request.");
+        lock(&self.verify_latency).render(&mut out, "spade_gateway_verify_latency_seconds", "Round trip of each successful verify call.");
+        out
+    }
+}

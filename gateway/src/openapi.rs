@@ -1,0 +1,37 @@
+//! The OpenAPI document, generated from the handlers' annotations.
+
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "SPADE gateway", description = "Edge side of SPADE: OpenAI-compatible chat completions, drafted locally and verified by the cloud model."),
+    paths(crate::chat::chat_completions, crate::admin::models, crate::admin::health, crate::admin::metrics),
+    components(schemas(
+        spade_core::openai::ChatCompletionRequest,
+        spade_core::openai::ChatCompletion,
+        spade_core::openai::ChatCompletionChunk,
+        spade_core::openai::Usage,
+        spade_core::openai::SpadeUsage,
+        spade_core::openai::ModelList,
+        spade_core::ErrorBody,
+        spade_core::ErrorDetail,
+        crate::admin::Health,
+    )),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
+    }
+}
+
+/// The document as pretty JSON (what `spade-gateway openapi` prints and openapi/gateway.json holds).
+pub fn document() -> String {
+    ApiDoc::openapi().to_pretty_json().expect("the OpenAPI document serialises")
+}

@@ -1,0 +1,108 @@
+//! What every handler shares.
+
+use std::sync::{Arc, OnceLock, RwLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use spade_core::protocol::ModelInfo;
+use spade_engine::EdgeModel;
+
+use crate::config::{Config, OfflineFallback};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::verifier::{CallError, VerifierClient};
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub draft_len: usize,
+    pub fallback: OfflineFallback,
+    pub model_name: String,
+    pub keep_alive: Duration,
+    pub max_body_bytes: usize,
+}
+
+pub struct Gateway {
+    /// Set once the draft model has loaded; until then /health is 503 and completions answer not_ready.
+    model: OnceLock<Arc<dyn EdgeModel>>,
+    pub verifier: VerifierClient,
+    /// The verifier's answer to /v1/info once its vocabulary was seen to match the draft's.
+    verifier_info: RwLock<Option<ModelInfo>>,
+    pub settings: Settings,
+    pub metrics: Metrics,
+    pub api_key: Option<String>,
+    pub started: u64,
+}
+
+pub type AppState = Arc<Gateway>;
+
+/// Where the verifier stands, as /health reports it.
+#[derive(Debug, Clone)]
+pub enum VerifierStatus {
+    Ready(ModelInfo),
+    Unreachable(String),
+    Mismatch(String),
+}
+
+impl Gateway {
+    pub fn new(config: &Config) -> Result<Self, String> {
+        Ok(Self {
+            model: OnceLock::new(),
+            verifier: VerifierClient::new(config)?,
+            verifier_info: RwLock::new(None),
+            settings: Settings {
+                draft_len: config.draft_len,
+                fallback: config.offline_fallback,
+                model_name: config.model_name.clone(),
+                keep_alive: Duration::from_secs(config.keep_alive_secs),
+                max_body_bytes: config.max_body_bytes,
+            },
+            metrics: Metrics::default(),
+            api_key: config.api_key.clone().filter(|k| !k.is_empty()),
+            started: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        })
+    }
+
+    pub fn set_model(&self, model: Arc<dyn EdgeModel>) {
+        let _ = self.model.set(model);
+    }
+
+    pub fn model(&self) -> Result<&Arc<dyn EdgeModel>, ApiError> {
+        self.model.get().ok_or(ApiError::NotReady)
+    }
+
+    pub fn is_loaded(&self) -> bool {
+        self.model.get().is_some()
+    }
+
+    /// Asks the verifier now and checks its vocabulary against the draft model's.
+    pub async fn check_verifier(&self) -> VerifierStatus {
+        let info = match self.verifier.info().await {
+            Ok(info) => info,
+            Err(CallError::Rejected(e)) => return VerifierStatus::Mismatch(e),
+            Err(e) => return VerifierStatus::Unreachable(e.to_string()),
+        };
+        if let Some(model) = self.model.get() {
+            let draft = model.meta();
+            if draft.tokenizer_fingerprint != info.tokenizer_fingerprint || draft.vocab_size != info.vocab_size {
+                return VerifierStatus::Mismatch(format!(
+                    "the verifier's model {} does not share the draft model's tokenizer ({} tokens vs {})",
+                    info.model, info.vocab_size, draft.vocab_size
+                ));
+            }
+            *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
+        }
+        VerifierStatus::Ready(info)
+    }
+
+    /// The verifier's info, checked once and then remembered (a restarted verifier with another
+    /// model is caught by its own validation: ids outside its vocabulary are refused).
+    pub async fn verifier_info(&self) -> Result<ModelInfo, ApiError> {
+        if let Some(info) = self.verifier_info.read().unwrap_or_else(|p| p.into_inner()).clone() {
+            return Ok(info);
+        }
+        match self.check_verifier().await {
+            VerifierStatus::Ready(info) => Ok(info),
+            VerifierStatus::Unreachable(e) => Err(ApiError::VerifierUnavailable(e)),
+            VerifierStatus::Mismatch(e) => Err(ApiError::VerifierFailed(e)),
+        }
+    }
+}

@@ -1,0 +1,162 @@
+//! The verifier client: one pooled reqwest client, timeouts on every call, bounded retries.
+//!
+//! Retrying `/verify` is safe: its randomness is keyed by (seed, position), so the same request gets
+//! the same answer, and a session delta that reaches a verifier twice is refused (409), not applied
+//! twice.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse};
+
+use crate::config::Config;
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CallError {
+    /// No usable answer after the retries: connection refused, timeouts, 5xx, 429.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The verifier lost (or never had) the session: send the full context.
+    #[error("the verifier asked for the full context")]
+    ResendContext,
+    /// A definite refusal (4xx other than 409/429) or an answer that does not parse.
+    #[error("{0}")]
+    Rejected(String),
+}
+
+/// One successful call with what it cost on the wire.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    pub response: VerifyResponse,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub latency: Duration,
+}
+
+pub struct VerifierClient {
+    http: reqwest::Client,
+    base: String,
+    api_key: Option<String>,
+    verify_timeout: Duration,
+    retries: u32,
+}
+
+/// Longest wait honoured from a 429's retry-after before trying again.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(5);
+const INFO_TIMEOUT: Duration = Duration::from_secs(3);
+
+impl VerifierClient {
+    pub fn new(config: &Config) -> Result<Self, String> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| format!("building the HTTP client: {e}"))?;
+        Ok(Self {
+            http,
+            base: config.verifier_url.trim_end_matches('/').to_string(),
+            api_key: config.verifier_api_key.clone().filter(|k| !k.is_empty()),
+            verify_timeout: config.verify_timeout(),
+            retries: config.verify_retries,
+        })
+    }
+
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let builder = self.http.request(method, format!("{}{path}", self.base));
+        match &self.api_key {
+            Some(key) => builder.bearer_auth(key),
+            None => builder,
+        }
+    }
+
+    /// The verifier's model and tokenizer fingerprint (one attempt, short timeout: used by /health).
+    pub async fn info(&self) -> Result<ModelInfo, CallError> {
+        let response = self
+            .request(reqwest::Method::GET, "/v1/info")
+            .timeout(INFO_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| CallError::Unreachable(describe(&e)))?;
+        match response.status() {
+            StatusCode::OK => response.json().await.map_err(|e| CallError::Rejected(format!("unreadable /v1/info: {e}"))),
+            StatusCode::UNAUTHORIZED => Err(CallError::Rejected("the verifier refused the API key (--verifier-api-key)".into())),
+            s => Err(CallError::Unreachable(format!("/v1/info answered {s}"))),
+        }
+    }
+
+    pub async fn verify(&self, request: &VerifyRequest) -> Result<Exchange, CallError> {
+        let body = serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?;
+        let mut last = String::new();
+        for attempt in 0..=self.retries {
+            if attempt > 0 {
+                tracing::debug!(attempt, "retrying /verify: {last}");
+            }
+            let started = Instant::now();
+            let sent = self
+                .request(reqwest::Method::POST, "/verify")
+                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .body(body.clone())
+                .timeout(self.verify_timeout)
+                .send()
+                .await;
+            let mut wait = Duration::from_millis(100 << attempt.min(5));
+            match sent {
+                Err(e) => last = describe(&e),
+                Ok(response) => {
+                    let status = response.status();
+                    let retry_after = response
+                        .headers()
+                        .get(reqwest::header::RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                        .map(Duration::from_secs);
+                    match response.bytes().await {
+                        Err(e) => last = describe(&e),
+                        Ok(bytes) if status == StatusCode::OK => {
+                            let response = serde_json::from_slice(&bytes)
+                                .map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
+                            return Ok(Exchange {
+                                response,
+                                bytes_sent: body.len() as u64,
+                                bytes_received: bytes.len() as u64,
+                                latency: started.elapsed(),
+                            });
+                        }
+                        Ok(_) if status == StatusCode::CONFLICT => return Err(CallError::ResendContext),
+                        Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() => {
+                            last = format!("/verify answered {status}: {}", message(&bytes));
+                            if let Some(after) = retry_after {
+                                wait = after.min(MAX_RETRY_AFTER);
+                            }
+                        }
+                        Ok(bytes) if status == StatusCode::UNAUTHORIZED => {
+                            return Err(CallError::Rejected(format!("the verifier refused the API key: {}", message(&bytes))));
+                        }
+                        Ok(bytes) => return Err(CallError::Rejected(format!("/verify answered {status}: {}", message(&bytes)))),
+                    }
+                }
+            }
+            if attempt < self.retries {
+                tokio::time::sleep(wait).await;
+            }
+        }
+        Err(CallError::Unreachable(last))
+    }
+}
+
+/// The `error.message` of an OpenAI-shaped body, or the body itself.
+fn message(bytes: &[u8]) -> String {
+    serde_json::from_slice::<spade_core::ErrorBody>(bytes)
+        .map(|b| b.error.message)
+        .unwrap_or_else(|_| String::from_utf8_lossy(&bytes[..bytes.len().min(200)]).into_owned())
+}
+
+fn describe(e: &reqwest::Error) -> String {
+    if e.is_timeout() {
+        "timed out".into()
+    } else if e.is_connect() {
+        "connection failed".into()
+    } else {
+        e.to_string()
+    }
+}

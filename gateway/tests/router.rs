@@ -1,0 +1,318 @@
+//! The gateway over real HTTP against the real verifier router, both with small deterministic
+//! engines (tests/common): framing, stop sequences, accounting, errors and faults. The real models
+//! are exercised end to end in tests/e2e.rs.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn chat(url: &str, body: Value) -> (u16, reqwest::header::HeaderMap, String) {
+    let r = client().post(format!("{url}/v1/chat/completions")).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (status, headers, r.text().await.unwrap())
+}
+
+fn hello(extra: Value) -> Value {
+    let mut body = json!({"model": "spade", "messages": [{"role": "user", "content": "hi"}], "temperature": 0});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
+
+/// Concatenated content, finish reason, the parsed chunks.
+fn read_stream(body: &str) -> (String, Option<String>, Vec<Value>) {
+    let data = sse_data(body);
+    assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1, "exactly one [DONE]: {body}");
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "[DONE] comes last");
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant", "role in the first delta");
+    let mut text = String::new();
+    let mut finish = None;
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        if let Some(choice) = c["choices"].get(0) {
+            if let Some(t) = choice["delta"]["content"].as_str() {
+                assert!(!t.contains('\u{FFFD}'), "a chunk split a character: {t:?}");
+                text.push_str(t);
+            }
+            if let Some(f) = choice["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+    }
+    (text, finish, chunks)
+}
+
+#[tokio::test]
+async fn greedy_stream_and_json_agree_with_the_target() {
+    let scorer = FakeScorer::new();
+    let verifier = start_verifier(scorer, &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
+
+    let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], SCRIPT);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let usage = &v["usage"];
+    let completion = usage["completion_tokens"].as_u64().unwrap();
+    assert_eq!(completion, SCRIPT.len() as u64 + 1, "script bytes plus end-of-sequence");
+    assert_eq!(usage["total_tokens"].as_u64().unwrap(), usage["prompt_tokens"].as_u64().unwrap() + completion);
+    let calls = usage["spade"]["verify_calls"].as_u64().unwrap();
+    let accepted = usage["completion_tokens_details"]["accepted_prediction_tokens"].as_u64().unwrap();
+    let rejected = usage["completion_tokens_details"]["rejected_prediction_tokens"].as_u64().unwrap();
+    assert!(calls < completion, "speculation saves calls: {calls} calls for {completion} tokens");
+    // Each call commits its accepted drafts plus one token; only a token after an accepted
+    // end-of-sequence draft goes unused.
+    assert!(completion <= accepted + calls && accepted + calls <= completion + 1, "{accepted} + {calls} vs {completion}");
+    assert!(rejected > 0, "the fake draft is wrong every fourth byte");
+    assert_eq!(usage["spade"]["draft_len"], 3);
+    assert_eq!(usage["spade"]["degraded"], false);
+    assert!(usage["spade"]["bytes_sent"].as_u64().unwrap() > 0);
+
+    let (status, headers, body) = chat(&gateway.url, hello(json!({"stream": true}))).await;
+    assert_eq!(status, 200);
+    assert!(headers["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let (text, finish, chunks) = read_stream(&body);
+    assert_eq!(text, SCRIPT);
+    assert_eq!(finish.as_deref(), Some("stop"));
+    assert!(chunks.len() > 10, "streamed incrementally, not in one piece: {} chunks", chunks.len());
+    assert!(chunks.iter().all(|c| c.get("usage").is_none()), "no usage without include_usage");
+}
+
+#[tokio::test]
+async fn include_usage_sends_a_final_chunk_without_choices() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let (_, _, body) = chat(&gateway.url, hello(json!({"stream": true, "stream_options": {"include_usage": true}, "max_tokens": 5}))).await;
+    let (text, finish, chunks) = read_stream(&body);
+    assert_eq!(text, "Héll", "5 byte tokens, the é is two of them");
+    assert_eq!(finish.as_deref(), Some("length"));
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 5);
+    assert_eq!(chunks.iter().filter(|c| c.get("usage").is_some()).count(), 1);
+}
+
+#[tokio::test]
+async fn stop_sequences_spanning_tokens_are_never_sent() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "2"]).await;
+    // "wörld" spans six byte tokens and several rounds; "🎉" is four bytes of one character.
+    for (stop, expected) in [(json!("wörld"), "Héllo "), (json!(["xyz", "🎉"]), "Héllo wörld! "), (json!(["of the", "END"]), "Héllo wörld! 🎉 日本語 ")] {
+        let (_, _, body) = chat(&gateway.url, hello(json!({"stream": true, "stop": stop}))).await;
+        let (text, finish, _) = read_stream(&body);
+        assert_eq!(text, expected, "stop {stop}");
+        assert_eq!(finish.as_deref(), Some("stop"));
+        let (_, _, body) = chat(&gateway.url, hello(json!({"stop": stop}))).await;
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], expected);
+    }
+}
+
+#[tokio::test]
+async fn logprobs_come_from_the_target() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 6}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 6);
+    // The fake target puts logit 8 on the script byte and 0 on 256 others.
+    let expected = 8.0 - (8f64.exp() + 256.0).ln();
+    for entry in content {
+        assert!((entry["logprob"].as_f64().unwrap() - expected).abs() < 1e-3, "{entry}");
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+    }
+    assert_eq!(content[0]["token"], "H");
+}
+
+#[tokio::test]
+async fn seeded_sampling_reproduces() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let body = hello(json!({"temperature": 1.0, "seed": 7, "max_tokens": 40}));
+    let (_, _, a) = chat(&gateway.url, body.clone()).await;
+    let (_, _, b) = chat(&gateway.url, body).await;
+    let text = |s: &str| serde_json::from_str::<Value>(s).unwrap()["choices"][0]["message"]["content"].clone();
+    assert_eq!(text(&a), text(&b));
+}
+
+#[tokio::test]
+async fn lost_sessions_are_resent_and_the_output_is_unchanged() {
+    // A zero cache budget evicts every session right after its call: each delta gets 409.
+    let verifier = start_verifier(FakeScorer::new(), &["--cache-budget-mb", "0"]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], SCRIPT);
+}
+
+#[tokio::test]
+async fn bad_requests_name_the_parameter() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let cases = [
+        (json!({"messages": []}), "messages"),
+        (hello(json!({"n": 2})), "n"),
+        (hello(json!({"presence_penalty": 0.5})), "presence_penalty"),
+        (hello(json!({"frequency_penalty": 1})), "frequency_penalty"),
+        (hello(json!({"logit_bias": {"50": 10}})), "logit_bias"),
+        (hello(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        (hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
+        (hello(json!({"tool_choice": "auto"})), "tool_choice"),
+        (hello(json!({"temperature": 2.5})), "temperature"),
+        (hello(json!({"top_p": 0})), "top_p"),
+        (hello(json!({"max_tokens": 0})), "max_tokens"),
+        (hello(json!({"max_completion_tokens": -3})), "max_completion_tokens"),
+        (hello(json!({"max_tokens": 100000})), "messages"),
+        (hello(json!({"top_logprobs": 3})), "top_logprobs"),
+        (hello(json!({"logprobs": true, "top_logprobs": 21})), "top_logprobs"),
+        (hello(json!({"stream_options": {"include_usage": true}})), "stream_options"),
+        (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), "messages[0].content[0].type"),
+        (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
+        (json!({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}), "messages[0].role"),
+    ];
+    for (body, param) in cases {
+        let (status, _, text) = chat(&gateway.url, body.clone()).await;
+        assert_eq!(status, 400, "{body} -> {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["param"], param, "{body} -> {text}");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    // Not JSON, wrong types, wrong content type, unknown route, wrong method.
+    let r = client().post(format!("{}/v1/chat/completions", gateway.url)).header("content-type", "application/json").body("{nope").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "invalid_json");
+    let (status, _, _) = chat(&gateway.url, json!({"messages": "hi"})).await;
+    assert_eq!(status, 400);
+    let r = client().post(format!("{}/v1/chat/completions", gateway.url)).body("{}").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let r = client().get(format!("{}/v1/nothing", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "not_found");
+    let r = client().get(format!("{}/v1/chat/completions", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+}
+
+#[tokio::test]
+async fn oversized_bodies_get_413() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--max-body-bytes", "1000"]).await;
+    let (status, _, body) = chat(&gateway.url, json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]})).await;
+    assert_eq!(status, 413, "{body}");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["code"], "request_too_large");
+}
+
+#[tokio::test]
+async fn verifier_down_gives_503_without_retry_and_health_says_why() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let gateway = start_gateway(&dead, &["--verify-retries", "0"]).await;
+    let (status, headers, body) = chat(&gateway.url, hello(json!({"stream": true}))).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(headers["x-should-retry"], "false");
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["code"], "verifier_unavailable");
+    let r = client().get(format!("{}/health", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "verifier_unreachable");
+}
+
+#[tokio::test]
+async fn offline_fallback_answers_from_the_draft_and_says_so() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let gateway = start_gateway(&dead, &["--offline-fallback", "draft", "--verify-retries", "0"]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({"max_tokens": 8}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["spade"]["degraded"], true);
+    assert_eq!(v["usage"]["spade"]["verify_calls"], 0);
+    // The fake draft's own text: wrong every fourth byte (position 11 breaks the é).
+    assert_eq!(v["choices"][0]["message"]["content"], "H?\u{FFFD}ll? w");
+}
+
+#[tokio::test]
+async fn verifier_failing_mid_stream_ends_the_stream_with_an_error_event() {
+    let mut scorer = FakeScorer::new();
+    scorer.fail_after = Some(3);
+    let verifier = start_verifier(scorer, &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--verify-retries", "1"]).await;
+    let started = std::time::Instant::now();
+    let (status, _, body) = chat(&gateway.url, hello(json!({"stream": true}))).await;
+    assert_eq!(status, 200);
+    let data = sse_data(&body);
+    assert!(!data.iter().any(|d| d == "[DONE]"), "no [DONE] after a failure: {body}");
+    let last: Value = serde_json::from_str(data.last().unwrap()).unwrap();
+    // 500s are retried, then reported as the verifier being unavailable.
+    assert_eq!(last["error"]["code"], "verifier_unavailable", "{last}");
+    assert!(data.len() >= 3, "text streamed before the failure");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test]
+async fn client_disconnect_stops_verify_calls() {
+    let mut scorer = FakeScorer::new();
+    scorer.delay = Duration::from_millis(100);
+    let calls = scorer.calls.clone();
+    let verifier = start_verifier(scorer, &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "1"]).await;
+    let mut response = client().post(format!("{}/v1/chat/completions", gateway.url)).json(&hello(json!({"stream": true}))).send().await.unwrap();
+    // Read two chunks (role, first text), then hang up.
+    response.chunk().await.unwrap();
+    response.chunk().await.unwrap();
+    drop(response);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let after_drop = calls.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(calls.load(Ordering::SeqCst), after_drop, "verify calls continued after the client left");
+    // The whole script would have needed about 25 calls at two tokens each.
+    assert!(after_drop < 10, "{after_drop} calls");
+}
+
+#[tokio::test]
+async fn api_key_guards_everything_but_health() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--api-key", "gkey"]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
+    assert_eq!(status, 401);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["type"], "authentication_error");
+    let r = client().post(format!("{}/v1/chat/completions", gateway.url)).bearer_auth("gkey").json(&hello(json!({"max_tokens": 2}))).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = client().get(format!("{}/v1/models", gateway.url)).bearer_auth("gkey").send().await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["data"][0]["id"], "spade");
+    let r = client().get(format!("{}/health", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["status"], "ready");
+    let r = client().get(format!("{}/metrics", gateway.url)).bearer_auth("gkey").send().await.unwrap();
+    let text = r.text().await.unwrap();
+    // The refused request never reached the handler.
+    assert!(text.contains("spade_gateway_requests_total 1\n"), "{text}");
+    assert!(text.contains("spade_gateway_verify_calls_total"));
+}
+
+#[tokio::test]
+async fn wrong_verifier_key_is_a_502_not_a_hang() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--verifier-api-key", "wrong"]).await;
+    let (status, headers, body) = chat(&gateway.url, hello(json!({}))).await;
+    assert_eq!(status, 502, "{body}");
+    assert_eq!(headers["x-should-retry"], "false");
+}
+
