@@ -1,0 +1,18 @@
+//! spade-bench: tooling for measuring SPADE on one machine.
+//!
+//! - [`proxy`]: a TCP proxy that delays traffic like an edge–cloud link, so the gateway and the
+//!   verifier can run on loopback yet see a realistic round-trip time. It runs in userspace because
+//!   the kernel here has no `sch_netem` qdisc (`tc qdisc add dev lo root netem delay …` is not
+//!   available); see [`link`] for the model of the link.
+//! - [`prompts`]: the benchmark prompt set (`bench/prompts.jsonl`) and its loader.
+//!
+//! The `spade-delay-proxy` binary is a thin command line over [`run_proxy`]; tests and benchmarks start
+//! the proxy in-process with [`spawn_proxy`].
+
+pub mod link;
+pub mod prompts;
+pub mod proxy;
+
+pub use link::LinkConfig;
+pub use prompts::{load_prompts, Category, Message, Prompt, PromptsError, PROMPTS_PATH};
+pub use proxy::{run_proxy, spawn_proxy, ProxyHandle};
