@@ -297,14 +297,22 @@ impl Drafter for MistralDrafter {
         );
         let sender = runner.model.inner().get_sender(None).map_err(|e| EngineError::Drafter(e.to_string()))?;
         sender.send(Request::Normal(Box::new(request))).await.map_err(|e| EngineError::Drafter(e.to_string()))?;
-        while let Some(response) = rx.recv().await {
-            match response {
-                Response::CompletionDone(_) => break,
-                Response::InternalError(e) | Response::ValidationError(e) => return Err(EngineError::Drafter(e.to_string())),
-                Response::CompletionModelError(e, _) | Response::ModelError(e, _) => return Err(EngineError::Drafter(e)),
-                _ => continue,
+        // mistral.rs's engine thread panics when a response cannot be delivered, so the receiver
+        // must outlive the request even if this future is dropped (a client hanging up): a task
+        // drains it to the end.
+        let drain = tokio::spawn(async move {
+            let mut result = Ok(());
+            while let Some(response) = rx.recv().await {
+                match response {
+                    Response::CompletionDone(_) => break,
+                    Response::InternalError(e) | Response::ValidationError(e) => result = Err(EngineError::Drafter(e.to_string())),
+                    Response::CompletionModelError(e, _) | Response::ModelError(e, _) => result = Err(EngineError::Drafter(e)),
+                    _ => continue,
+                }
             }
-        }
+            result
+        });
+        drain.await.map_err(|e| EngineError::Drafter(e.to_string()))??;
         drop(runner);
         let mut drafts = std::mem::take(&mut *recorder.drafts.lock().expect("draft recorder poisoned"));
         // An end-of-sequence draft ends the block.
