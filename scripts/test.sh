@@ -7,3 +7,5 @@ cd "$root"
 bash scripts/fetch-models.sh all
 # Real-model tests are CPU-heavy; two at a time keeps a 2-core machine responsive.
 cargo test --workspace --locked -- --test-threads "${SPADE_TEST_THREADS:-2}" "$@"
+# The quickstart stack driven by the official openai package and curl -N.
+bash tests/sdk_e2e.sh

@@ -1,0 +1,49 @@
+"""Drives a running SPADE gateway with the official `openai` package (tests/sdk_e2e.sh runs it).
+
+Checks that non-streamed and streamed answers parse, agree with each other under greedy decoding,
+that include_usage yields a final chunk with no choices and SPADE's usage extension, that
+/v1/models lists the model, and that an unsupported parameter raises BadRequestError naming it.
+"""
+import json
+import sys
+
+import openai
+from openai import OpenAI
+
+base_url = sys.argv[1]
+client = OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300)
+messages = [{"role": "user", "content": "Name three primary colours."}]
+report = {"openai_version": openai.__version__}
+
+plain = client.chat.completions.create(model="spade", messages=messages, temperature=0, max_tokens=24)
+text = plain.choices[0].message.content
+assert text, plain
+assert plain.choices[0].finish_reason in ("stop", "length"), plain
+usage = plain.usage
+assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens, usage
+details = usage.completion_tokens_details
+assert details.accepted_prediction_tokens + details.rejected_prediction_tokens >= 0, details
+spade = usage.model_extra["spade"]
+assert spade["verify_calls"] >= 1 and not spade["degraded"], spade
+report["plain"] = {"text": text, "usage": usage.model_dump()}
+
+chunks = list(client.chat.completions.create(
+    model="spade", messages=messages, temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True}))
+assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+assert streamed == text, (streamed, text)
+assert chunks[-1].choices == [] and chunks[-1].usage is not None, chunks[-1]
+assert chunks[-1].usage.completion_tokens == usage.completion_tokens, (chunks[-1].usage, usage)
+finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+assert finishes == [plain.choices[0].finish_reason], finishes
+report["stream"] = {"chunks": len(chunks), "text_equal": True}
+
+models = client.models.list()
+assert [m.id for m in models.data] == ["spade"], models
+try:
+    client.chat.completions.create(model="spade", messages=messages, n=2)
+    raise AssertionError("n=2 was accepted")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "n", e.body
+report["errors"] = "n=2 -> BadRequestError(param=n)"
+print(json.dumps(report, indent=1))
