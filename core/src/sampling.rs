@@ -61,6 +61,18 @@ impl SamplingParams {
         self.temperature == 0.0
     }
 
+    /// How the draft should sample for a request with these target parameters: the same transform,
+    /// with at most `max_k` tokens kept. Any q is lossless; truncating it bounds the bytes sent per
+    /// draft token (a full-vocabulary q is megabytes) and costs little acceptance, since the mass
+    /// beyond the top few dozen draft tokens is small.
+    pub fn for_draft(&self, max_k: u32) -> Self {
+        if self.is_greedy() || max_k == 0 {
+            return *self;
+        }
+        let top_k = if self.top_k == 0 { max_k } else { self.top_k.min(max_k) };
+        Self { top_k, ..*self }
+    }
+
     pub fn validate(&self) -> Result<(), SamplingError> {
         let bad = |name, value: f32, expected| SamplingError::InvalidParam { name, value: value as f64, expected };
         if !(0.0..=2.0).contains(&self.temperature) {
@@ -137,6 +149,15 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<SparseDis
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn draft_sampling_caps_top_k_only() {
+        let p = SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 0, min_p: 0.05 };
+        assert_eq!(p.for_draft(32), SamplingParams { top_k: 32, ..p });
+        assert_eq!(SamplingParams { top_k: 5, ..p }.for_draft(32).top_k, 5);
+        assert_eq!(SamplingParams::greedy().for_draft(32), SamplingParams::greedy());
+        assert_eq!(p.for_draft(0), p);
+    }
     use proptest::prelude::*;
 
     fn params(temperature: f32, top_k: u32, top_p: f32, min_p: f32) -> SamplingParams {

@@ -40,6 +40,11 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value_t = 4)]
     pub draft_len: usize,
 
+    /// Most tokens in a sampled draft distribution q (sent with every draft token). 0 keeps the
+    /// request's own truncation, which can mean the whole vocabulary: megabytes per call.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_TOP_K", default_value_t = 32)]
+    pub draft_top_k: u32,
+
     /// What to do when the verifier is unreachable: `off` fails the request with 503; `draft`
     /// continues with the draft model alone and marks the response `spade.degraded: true`.
     #[arg(long, env = "SPADE_GATEWAY_OFFLINE_FALLBACK", value_enum, default_value_t = OfflineFallback::Off)]

@@ -90,7 +90,7 @@ impl<'a> Run<'a> {
     async fn generate(&mut self) -> Result<Option<FinishReason>, ApiError> {
         let model = self.state.model()?.clone();
         model.begin_generation().await;
-        let draft_params = DraftParams { sampling: self.job.sampling, seed: self.job.seed };
+        let draft_params = DraftParams { sampling: self.job.sampling.for_draft(self.state.settings.draft_top_k), seed: self.job.seed };
         let mut produced = 0usize;
         while produced < self.job.max_tokens {
             if self.events.is_closed() {

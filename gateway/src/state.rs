@@ -14,6 +14,7 @@ use crate::verifier::{CallError, VerifierClient};
 #[derive(Debug, Clone)]
 pub struct Settings {
     pub draft_len: usize,
+    pub draft_top_k: u32,
     pub fallback: OfflineFallback,
     pub model_name: String,
     pub keep_alive: Duration,
@@ -50,6 +51,7 @@ impl Gateway {
             verifier_info: RwLock::new(None),
             settings: Settings {
                 draft_len: config.draft_len,
+                draft_top_k: config.draft_top_k,
                 fallback: config.offline_fallback,
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),

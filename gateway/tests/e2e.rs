@@ -167,6 +167,13 @@ async fn streamed_and_plain_answers_equal_target_only_greedy() {
         assert_eq!(end, Ok(()));
     }
 
+    // Sampling with the API defaults (temperature 1, no truncation): the draft's q is capped, so
+    // each call stays small on the wire.
+    let sampled = complete(&gateway.url, &request(PROMPTS[1], json!({"temperature": 1.0, "seed": 3}))).await;
+    let spade = &sampled["usage"]["spade"];
+    let per_call = spade["bytes_sent"].as_u64().unwrap() / spade["verify_calls"].as_u64().unwrap();
+    assert!(per_call < 8 * 1024, "{per_call} bytes per verify call: {spade}");
+
     // A stop sequence from the middle of the answer, spanning several tokens and so several chunks.
     let text = &expected[0];
     let words: Vec<&str> = text.split(' ').collect();
