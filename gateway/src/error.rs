@@ -85,9 +85,9 @@ impl IntoResponse for ApiError {
 
 impl From<JsonRejection> for ApiError {
     fn from(rejection: JsonRejection) -> Self {
-        match rejection {
-            JsonRejection::BytesRejection(_) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Self::TooLarge,
-            other => Self::Json(other.body_text()),
+        match spade_http::BodyRejection::from(rejection) {
+            spade_http::BodyRejection::TooLarge => Self::TooLarge,
+            spade_http::BodyRejection::Invalid(message) => Self::Json(message),
         }
     }
 }

@@ -6,8 +6,7 @@ use spade_engine::drafter::DrafterOptions;
 use spade_engine::{MistralDrafter, ModelSource};
 use spade_gateway::config::Command;
 use spade_gateway::state::VerifierStatus;
-use spade_gateway::{openapi, serve, shutdown_signal, Config, Gateway};
-use tracing_subscriber::EnvFilter;
+use spade_gateway::{openapi, serve, Config, Gateway};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -16,12 +15,7 @@ async fn main() -> ExitCode {
         println!("{}", openapi::document());
         return ExitCode::SUCCESS;
     }
-    let filter = EnvFilter::try_new(&config.log).unwrap_or_else(|_| EnvFilter::new("info"));
-    if config.log_json {
-        tracing_subscriber::fmt().with_env_filter(filter).json().init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    spade_http::init_logging(&config.log, config.log_json);
     if let Err(e) = config.check() {
         tracing::error!("{e}");
         return ExitCode::from(2);
@@ -48,7 +42,8 @@ async fn main() -> ExitCode {
     // Load in the background: /health answers 503 until the model is ready and the verifier matches.
     let model = config.draft_model.clone().unwrap_or_default();
     let options = DrafterOptions { max_concurrent: config.max_concurrent, ..DrafterOptions::default() };
-    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut load = spade_http::BackgroundLoad::default();
+    let report_failure = load.failure_reporter();
     let loading = state.clone();
     tokio::spawn(async move {
         let loaded = match ModelSource::parse(&model) {
@@ -67,23 +62,16 @@ async fn main() -> ExitCode {
             }
             Err(e) => {
                 tracing::error!("cannot load {model}: {e}");
-                let _ = failed_tx.send(());
+                report_failure();
             }
         }
     });
-    let load_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = load_failed.clone();
-    let shutdown = async move {
-        tokio::select! {
-            _ = shutdown_signal() => {}
-            Ok(()) = failed_rx => flag.store(true, std::sync::atomic::Ordering::SeqCst),
-        }
-    };
+    let shutdown = load.shutdown();
     if let Err(e) = serve(listener, state, shutdown).await {
         tracing::error!("server error: {e}");
         return ExitCode::from(1);
     }
-    if load_failed.load(std::sync::atomic::Ordering::SeqCst) { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if load.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS }
 }
 
 fn drafter_vocab(drafter: &MistralDrafter) -> u32 {

@@ -4,8 +4,7 @@ use std::sync::Arc;
 use clap::Parser;
 use spade_engine::{CandleScorer, ModelSource};
 use spade_verifier::config::Command;
-use spade_verifier::{openapi, serve, shutdown_signal, Config, Verifier};
-use tracing_subscriber::EnvFilter;
+use spade_verifier::{openapi, serve, Config, Verifier};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -14,12 +13,7 @@ async fn main() -> ExitCode {
         println!("{}", openapi::document());
         return ExitCode::SUCCESS;
     }
-    let filter = EnvFilter::try_new(&config.log).unwrap_or_else(|_| EnvFilter::new("info"));
-    if config.log_json {
-        tracing_subscriber::fmt().with_env_filter(filter).json().init();
-    } else {
-        tracing_subscriber::fmt().with_env_filter(filter).init();
-    }
+    spade_http::init_logging(&config.log, config.log_json);
     if let Err(e) = config.check() {
         tracing::error!("{e}");
         return ExitCode::from(2);
@@ -41,7 +35,8 @@ async fn main() -> ExitCode {
 
     // Load in the background: /health answers 503 until the model is ready.
     let model = config.model.clone().unwrap_or_default();
-    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut load = spade_http::BackgroundLoad::default();
+    let report_failure = load.failure_reporter();
     let loading = state.clone();
     tokio::task::spawn_blocking(move || match ModelSource::parse(&model).and_then(|source| CandleScorer::load_source(&source)) {
         Ok(scorer) => {
@@ -50,20 +45,13 @@ async fn main() -> ExitCode {
         }
         Err(e) => {
             tracing::error!("cannot load {model}: {e}");
-            let _ = failed_tx.send(());
+            report_failure();
         }
     });
-    let load_failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let flag = load_failed.clone();
-    let shutdown = async move {
-        tokio::select! {
-            _ = shutdown_signal() => {}
-            Ok(()) = failed_rx => flag.store(true, std::sync::atomic::Ordering::SeqCst),
-        }
-    };
+    let shutdown = load.shutdown();
     if let Err(e) = serve(listener, state, shutdown).await {
         tracing::error!("server error: {e}");
         return ExitCode::from(1);
     }
-    if load_failed.load(std::sync::atomic::Ordering::SeqCst) { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if load.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS }
 }

@@ -1,7 +1,7 @@
 //! The OpenAPI document, generated from the handlers' annotations.
 
-use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::{Modify, OpenApi};
+use spade_http::BearerAuth;
+use utoipa::OpenApi;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -23,15 +23,6 @@ use utoipa::{Modify, OpenApi};
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
-
-struct BearerAuth;
-
-impl Modify for BearerAuth {
-    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
-        let components = openapi.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("bearer", SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()));
-    }
-}
 
 /// The document as pretty JSON (what `spade-verifier openapi` prints and openapi/verifier.json holds).
 pub fn document() -> String {
