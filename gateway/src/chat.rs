@@ -22,6 +22,8 @@ pub struct ValidChat {
     pub messages: Vec<(String, String)>,
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
+    /// Which field set `max_tokens`, for error messages.
+    pub max_tokens_param: &'static str,
     pub stops: Vec<String>,
     pub seed: Option<u64>,
     pub stream: bool,
@@ -127,6 +129,7 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         messages,
         sampling,
         max_tokens,
+        max_tokens_param: name,
         stops,
         seed: req.seed.map(|s| s as u64),
         stream: req.stream,
@@ -197,12 +200,19 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
         return Err(too_long(format!("the prompt is {} tokens; the model's context is {max_context}", prompt.len())));
     }
     let room = max_context - prompt.len();
+    let cap = state.settings.max_completion_tokens;
+    if let (Some(m), Some(cap)) = (valid.max_tokens, cap) {
+        if m > cap {
+            let param = valid.max_tokens_param;
+            return Err(ApiError::invalid(param, format!("{param} is {m}; this gateway allows at most {cap}")));
+        }
+    }
     if let Some(m) = valid.max_tokens.filter(|&m| m > room) {
         return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
     }
     let job = Job {
         prompt,
-        max_tokens: valid.max_tokens.unwrap_or(room),
+        max_tokens: valid.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
         sampling: valid.sampling,
         seed: valid.seed.unwrap_or_else(|| rand::rng().random()),
         stops: valid.stops.clone(),

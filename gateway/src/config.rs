@@ -45,6 +45,11 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_TOP_K", default_value_t = 32)]
     pub draft_top_k: u32,
 
+    /// Most completion tokens one request may ask for (`max_tokens`/`max_completion_tokens`; larger
+    /// asks get 400) and the budget of requests that do not say. Default: the rest of the context.
+    #[arg(long, env = "SPADE_GATEWAY_MAX_COMPLETION_TOKENS")]
+    pub max_completion_tokens: Option<usize>,
+
     /// What to do when the verifier is unreachable: `off` fails the request with 503; `draft`
     /// continues with the draft model alone and marks the response `spade.degraded: true`.
     #[arg(long, env = "SPADE_GATEWAY_OFFLINE_FALLBACK", value_enum, default_value_t = OfflineFallback::Off)]
@@ -128,8 +133,8 @@ impl Config {
         if self.draft_len > 32 {
             return Err("--draft-len must be at most 32 (the verifier's default --max-draft)".into());
         }
-        if self.max_concurrent == 0 || self.keep_alive_secs == 0 {
-            return Err("--max-concurrent and --keep-alive-secs must be at least 1".into());
+        if self.max_concurrent == 0 || self.keep_alive_secs == 0 || self.max_completion_tokens == Some(0) {
+            return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
         }
         Ok(())
     }

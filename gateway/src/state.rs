@@ -15,6 +15,7 @@ use crate::verifier::{CallError, VerifierClient};
 pub struct Settings {
     pub draft_len: usize,
     pub draft_top_k: u32,
+    pub max_completion_tokens: Option<usize>,
     pub fallback: OfflineFallback,
     pub model_name: String,
     pub keep_alive: Duration,
@@ -52,6 +53,7 @@ impl Gateway {
             settings: Settings {
                 draft_len: config.draft_len,
                 draft_top_k: config.draft_top_k,
+                max_completion_tokens: config.max_completion_tokens,
                 fallback: config.offline_fallback,
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),

@@ -208,6 +208,19 @@ async fn bad_requests_name_the_parameter() {
 }
 
 #[tokio::test]
+async fn the_completion_token_cap_refuses_and_bounds() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--max-completion-tokens", "4"]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({"max_tokens": 5}))).await;
+    assert_eq!(status, 400);
+    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["error"]["param"], "max_tokens");
+    let (_, _, body) = chat(&gateway.url, hello(json!({}))).await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+}
+
+#[tokio::test]
 async fn oversized_bodies_get_413() {
     let verifier = start_verifier(FakeScorer::new(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--max-body-bytes", "1000"]).await;
