@@ -47,13 +47,22 @@ pub struct DrafterOptions {
     /// The 0.8.1 prefix-cache workaround (see the module docs). Off only to show the bug in a test,
     /// or with a mistral.rs release that fixed it.
     pub fill_kv: bool,
+    /// Process memory allowed above what it was once the model loaded; beyond it the engine is
+    /// rebuilt after `BUDGET_MIN_ROUNDS` rounds instead of `reset_after_rounds`. Under concurrent
+    /// load the never-evicted cache entries (one per round, each holding a 512-position KV buffer)
+    /// pile up faster than the round count alone bounds.
+    pub cache_budget_bytes: Option<usize>,
 }
 
 impl Default for DrafterOptions {
     fn default() -> Self {
-        Self { reset_after_rounds: 64, max_concurrent: 8, fill_kv: true }
+        Self { reset_after_rounds: 64, max_concurrent: 8, fill_kv: true, cache_budget_bytes: Some(1 << 30) }
     }
 }
+
+/// Fewest rounds between two rebuilds forced by the memory budget (freed pages take a round or two
+/// to come back, and each rebuild costs the running generations a re-prefill).
+const BUDGET_MIN_ROUNDS: usize = 8;
 
 struct Runner {
     model: Model,
@@ -68,6 +77,10 @@ pub struct MistralDrafter {
     pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>>,
     runner: RwLock<Runner>,
     options: DrafterOptions,
+    /// Generations between begin_generation and end_generation.
+    active: std::sync::atomic::AtomicUsize,
+    /// Resident memory once loaded, the base of `cache_budget_bytes`.
+    baseline_rss: Option<usize>,
 }
 
 impl MistralDrafter {
@@ -97,8 +110,9 @@ impl MistralDrafter {
         .map_err(|e| EngineError::Drafter(format!("loading the draft model: {e}")))?;
         let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
         let tokenizer = pipeline.lock().await.tokenizer().ok_or_else(|| EngineError::Drafter("the draft model has no tokenizer".into()))?;
-        let model = build_runner(&pipeline, options.max_concurrent).await;
-        Ok(Self { meta, tokenizer, pipeline, runner: RwLock::new(Runner { model, rounds: 0, trim_pending: false }), options })
+        let model = build_runner(&pipeline, options.max_concurrent).await?;
+        let runner = RwLock::new(Runner { model, rounds: 0, trim_pending: false });
+        Ok(Self { meta, tokenizer, pipeline, runner, options, active: Default::default(), baseline_rss: resident_bytes() })
     }
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
@@ -163,12 +177,35 @@ impl MistralDrafter {
         let mut runner = self.runner.write().await;
         if runner.rounds >= limit {
             tracing::debug!(rounds = runner.rounds, "rebuilding the draft engine to drop its prefix cache");
-            runner.model = build_runner(&self.pipeline, self.options.max_concurrent).await;
-            runner.rounds = 0;
-            runner.trim_pending = true;
-            release_freed_memory();
+            match build_runner(&self.pipeline, self.options.max_concurrent).await {
+                Ok(model) => {
+                    runner.model = model;
+                    runner.rounds = 0;
+                    runner.trim_pending = true;
+                    release_freed_memory();
+                }
+                // Keep drafting on the old engine; the next round tries again.
+                Err(e) => tracing::warn!("{e}"),
+            }
         }
     }
+
+    /// Whether the process holds more than the cache budget above its loaded size.
+    fn over_budget(&self) -> bool {
+        match (self.options.cache_budget_bytes, self.baseline_rss, resident_bytes()) {
+            (Some(budget), Some(base), Some(now)) => now > base + budget,
+            _ => false,
+        }
+    }
+}
+
+/// Resident set size of this process (Linux; None elsewhere).
+fn resident_bytes() -> Option<usize> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * usize::try_from(page).ok()?)
 }
 
 /// The dropped engine's KV buffers are large and many; ask glibc to hand the freed pages back.
@@ -180,13 +217,24 @@ fn release_freed_memory() {
     }
 }
 
-async fn build_runner(pipeline: &Arc<tokio::sync::Mutex<dyn Pipeline>>, max_concurrent: usize) -> Model {
+/// mistral.rs's builder panics (`try_lock().unwrap()` on the pipeline) when an engine thread, such as
+/// the one being replaced finishing its last step, holds the pipeline at that moment. So: wait until
+/// the pipeline is free, build in a task, and retry the rare race that is still lost.
+async fn build_runner(pipeline: &Arc<tokio::sync::Mutex<dyn Pipeline>>, max_concurrent: usize) -> Result<Model, EngineError> {
     let method = DefaultSchedulerMethod::Fixed(NonZeroUsize::new(max_concurrent.max(1)).expect("non-zero"));
-    let runner = MistralRsBuilder::new(pipeline.clone(), SchedulerConfig::DefaultScheduler { method }, false, None)
-        .with_prefix_cache_n(16)
-        .build()
-        .await;
-    Model::new(runner)
+    for attempt in 0..12u32 {
+        drop(pipeline.lock().await);
+        let builder = MistralRsBuilder::new(pipeline.clone(), SchedulerConfig::DefaultScheduler { method: method.clone() }, false, None).with_prefix_cache_n(16);
+        match tokio::spawn(async move { builder.build().await }).await {
+            Ok(runner) => return Ok(Model::new(runner)),
+            Err(e) if e.is_panic() => {
+                tracing::debug!(attempt, "the pipeline was busy while building the draft engine; retrying");
+                tokio::time::sleep(std::time::Duration::from_millis(5 << attempt.min(6))).await;
+            }
+            Err(e) => return Err(EngineError::Drafter(format!("building the draft engine: {e}"))),
+        }
+    }
+    Err(EngineError::Drafter("building the draft engine: the pipeline stayed busy".into()))
 }
 
 fn new_request(
@@ -258,8 +306,18 @@ impl Drafter for MistralDrafter {
     /// so an entry from an earlier generation can hold rows of another continuation. Harmless for
     /// losslessness (q is whatever we computed), but it makes drafts depend on history: start each
     /// generation from an empty cache. Rebuilding the engine on the loaded pipeline takes milliseconds.
-    async fn begin_generation(&self) {
-        self.maybe_reset(1).await;
+    ///
+    /// Only when asked and no other generation is running: under concurrent load a reset would throw
+    /// away every other generation's cache. (Each rebuild also leaves one idle runtime thread of
+    /// mistral.rs's old engine behind, another reason to rebuild rarely.)
+    async fn begin_generation(&self, fresh: bool) {
+        if self.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 && fresh {
+            self.maybe_reset(1).await;
+        }
+    }
+
+    fn end_generation(&self) {
+        let _ = self.active.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
     }
 
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
@@ -269,7 +327,8 @@ impl Drafter for MistralDrafter {
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
         }
-        self.maybe_reset(self.options.reset_after_rounds).await;
+        let limit = if self.over_budget() { BUDGET_MIN_ROUNDS } else { self.options.reset_after_rounds };
+        self.maybe_reset(limit).await;
         let recorder = Arc::new(Recorder {
             start: committed.len(),
             n,

@@ -30,8 +30,12 @@ pub trait Drafter: Send + Sync {
     fn meta(&self) -> &ModelMeta;
 
     /// Called when a generation starts. A drafter whose state can leak between generations (a shared
-    /// prefix cache) clears it here, so the same request with the same seed drafts the same tokens.
-    async fn begin_generation(&self) {}
+    /// prefix cache) clears it here when `fresh` is asked for, so the same request with the same seed
+    /// drafts the same tokens. Clearing costs time, so callers ask only where reproducibility matters.
+    async fn begin_generation(&self, _fresh: bool) {}
+
+    /// Called when a generation that began ends, however it ends (finished, failed, abandoned).
+    fn end_generation(&self) {}
 
     /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;

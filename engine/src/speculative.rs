@@ -57,13 +57,21 @@ pub async fn generate(
     params: &GenerateParams,
 ) -> Result<Generation, EngineError> {
     params.sampling.validate()?;
+    if let Some(drafter) = drafter {
+        drafter.begin_generation(true).await;
+    }
+    let result = run_loop(drafter, target, prompt, params).await;
+    if let Some(drafter) = drafter {
+        drafter.end_generation();
+    }
+    result
+}
+
+async fn run_loop(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSession, prompt: &[u32], params: &GenerateParams) -> Result<Generation, EngineError> {
     let mut seq = prompt.to_vec();
     let mut out = Vec::new();
     let mut stats = LoopStats::default();
     let draft_params = DraftParams { sampling: params.draft_sampling, seed: params.seed };
-    if let Some(drafter) = drafter {
-        drafter.begin_generation().await;
-    }
     while out.len() < params.max_new_tokens {
         // A round commits at most d + 1 tokens: never draft past the budget.
         let remaining = params.max_new_tokens - out.len();

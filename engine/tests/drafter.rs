@@ -28,13 +28,14 @@ async fn warm_vs_cold(warm: &MistralDrafter, cold: &MistralDrafter, rounds: usiz
     let sampling = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
     let params = DraftParams { sampling, seed: 3 };
     let mut seq = warm.encode_chat(&[("user".into(), PROMPTS[0].into())]).await.unwrap();
-    warm.begin_generation().await;
+    warm.begin_generation(true).await;
     let (mut max_kl, mut after_full, mut prev_full) = (0.0f64, 0, false);
     for _ in 0..rounds {
         let d = 4;
         let a = warm.draft(&seq, d, &params).await.unwrap();
-        cold.begin_generation().await;
+        cold.begin_generation(true).await;
         let b = cold.draft(&seq, d, &params).await.unwrap();
+        cold.end_generation();
         // Compare q position by position while both drafted the same tokens.
         for (x, y) in a.iter().zip(&b) {
             let k = kl(&y.q, &x.q);

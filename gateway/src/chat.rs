@@ -218,6 +218,7 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
         stops: valid.stops.clone(),
         top_logprobs: valid.top_logprobs,
         verify,
+        reproducible: valid.seed.is_some() && !valid.sampling.is_greedy(),
     };
     Ok((valid, job))
 }

@@ -72,6 +72,11 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_MODEL_NAME", default_value = "spade")]
     pub model_name: String,
 
+    /// MiB the draft engine's caches may hold above the loaded model before it is rebuilt (mistral.rs
+    /// never evicts its prefix cache on CPU). 0: rebuild by round count only.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_CACHE_MB", default_value_t = 1024)]
+    pub draft_cache_mb: usize,
+
     /// Generations drafted at once by the draft engine.
     #[arg(long, env = "SPADE_GATEWAY_MAX_CONCURRENT", default_value_t = 8)]
     pub max_concurrent: usize,

@@ -19,6 +19,9 @@ use crate::metrics::GenerationRecord;
 use crate::state::AppState;
 use crate::verifier::CallError;
 
+/// Tokens per draft call when the draft model answers alone.
+const DEGRADED_BLOCK: usize = 16;
+
 /// A validated request, ready to run.
 #[derive(Debug, Clone)]
 pub struct Job {
@@ -31,6 +34,8 @@ pub struct Job {
     pub top_logprobs: Option<u8>,
     /// False when the verifier was already known to be down and the fallback is on.
     pub verify: bool,
+    /// A seeded sampled request: worth a fresh draft cache so that it reproduces.
+    pub reproducible: bool,
 }
 
 #[derive(Debug)]
@@ -47,7 +52,7 @@ pub async fn run(state: AppState, job: Job, events: mpsc::Sender<Event>) {
         Ok(Some(finish)) => {
             run.record.duration = started.elapsed();
             state.metrics.record_generation(&run.record);
-            let _ = run.events.send(Event::Finished { finish, record: run.record }).await;
+            let _ = run.events.send(Event::Finished { finish, record: std::mem::take(&mut run.record) }).await;
         }
         Ok(None) => tracing::info!(tokens = run.record.completion_tokens, "client went away; generation stopped"),
         Err(e) => {
@@ -72,6 +77,8 @@ struct Run<'a> {
     /// Logprobs of tokens whose text is not sent yet.
     pending_logprobs: Vec<TokenLogprobContent>,
     record: GenerationRecord,
+    /// The model whose generation began, told when this run ends however it ends.
+    began: Option<std::sync::Arc<dyn EdgeModel>>,
 }
 
 /// Returned by the loop's steps when the client disconnected: stop quietly.
@@ -83,13 +90,15 @@ impl<'a> Run<'a> {
         let record = GenerationRecord { degraded: !job.verify, ..Default::default() };
         let stops = StopMatcher::new(job.stops.clone());
         let seq = job.prompt.clone();
-        Self { state, job, events, started, seq, synced: 0, session_id, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), record }
+        Self { state, job, events, started, seq, synced: 0, session_id, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), record, began: None }
     }
 
     /// Some(finish) when done, None when the client went away.
     async fn generate(&mut self) -> Result<Option<FinishReason>, ApiError> {
         let model = self.state.model()?.clone();
-        model.begin_generation().await;
+        // Seeded sampling should reproduce: start it on a fresh draft cache (see Drafter).
+        model.begin_generation(self.job.reproducible).await;
+        self.began = Some(model.clone());
         let draft_params = DraftParams { sampling: self.job.sampling.for_draft(self.state.settings.draft_top_k), seed: self.job.seed };
         let mut produced = 0usize;
         while produced < self.job.max_tokens {
@@ -98,7 +107,13 @@ impl<'a> Run<'a> {
             }
             // A round commits at most d + 1 tokens: never draft past the budget.
             let remaining = self.job.max_tokens - produced;
-            let d = if self.record.degraded { self.state.settings.draft_len.clamp(1, remaining) } else { self.state.settings.draft_len.min(remaining - 1) };
+            let d = if self.record.degraded {
+                // Drafting alone: long blocks, since each draft call re-prefills what mistral.rs's
+                // prefix cache cannot match (a context that ends inside a cached entry).
+                DEGRADED_BLOCK.max(self.state.settings.draft_len).min(remaining)
+            } else {
+                self.state.settings.draft_len.min(remaining - 1)
+            };
             let drafts = match d {
                 0 => Vec::new(),
                 _ => tokio::select! {
@@ -224,5 +239,13 @@ impl<'a> Run<'a> {
         let token = piece(lp.token)?;
         let top = lp.top.iter().map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob })).collect::<Result<_, ApiError>>()?;
         Ok(TokenLogprobContent { bytes: Some(token.clone().into_bytes()), token, logprob: lp.logprob, top_logprobs: top })
+    }
+}
+
+impl Drop for Run<'_> {
+    fn drop(&mut self) {
+        if let Some(model) = self.began.take() {
+            model.end_generation();
+        }
     }
 }

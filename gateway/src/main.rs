@@ -41,7 +41,11 @@ async fn main() -> ExitCode {
 
     // Load in the background: /health answers 503 until the model is ready and the verifier matches.
     let model = config.draft_model.clone().unwrap_or_default();
-    let options = DrafterOptions { max_concurrent: config.max_concurrent, ..DrafterOptions::default() };
+    let options = DrafterOptions {
+        max_concurrent: config.max_concurrent,
+        cache_budget_bytes: (config.draft_cache_mb > 0).then(|| config.draft_cache_mb << 20),
+        ..DrafterOptions::default()
+    };
     let mut load = spade_http::BackgroundLoad::default();
     let report_failure = load.failure_reporter();
     let loading = state.clone();
