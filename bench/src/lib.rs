@@ -5,13 +5,26 @@
 //!   the kernel here has no `sch_netem` qdisc (`tc qdisc add dev lo root netem delay …` is not
 //!   available); see [`link`] for the model of the link.
 //! - [`prompts`]: the benchmark prompt set (`bench/prompts.jsonl`) and its loader.
+//! - The `spade-bench` binary's pieces: [`plan`] (what a run does and how long it should take),
+//!   [`stack`] (verifier and gateway child processes), [`runner`] (the run itself), [`client`] (one
+//!   streamed, timed request), [`prom`] and [`machine`] (verifier counters and CPU time),
+//!   [`summary`] and [`stats`] (the figures), [`report`] (the Markdown tables).
 //!
 //! The `spade-delay-proxy` binary is a thin command line over [`run_proxy`]; tests and benchmarks start
 //! the proxy in-process with [`spawn_proxy`].
 
+pub mod client;
 pub mod link;
+pub mod machine;
+pub mod plan;
+pub mod prom;
 pub mod prompts;
 pub mod proxy;
+pub mod report;
+pub mod runner;
+pub mod stack;
+pub mod stats;
+pub mod summary;
 
 pub use link::LinkConfig;
 pub use prompts::{load_prompts, Category, Message, Prompt, PromptsError, PROMPTS_PATH};

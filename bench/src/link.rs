@@ -73,6 +73,12 @@ impl Schedule {
         Self { cfg: *cfg, rng: ChaCha8Rng::seed_from_u64(seed), last: None }
     }
 
+    /// Switches to another link for the chunks read from now on (the proxy's RTT can change between
+    /// benchmark runs while connections stay open); chunks already scheduled keep their times.
+    pub(crate) fn set_config(&mut self, cfg: &LinkConfig) {
+        self.cfg = *cfg;
+    }
+
     /// When a chunk read at `read_at` is due at the other end; never earlier than the previous chunk.
     pub(crate) fn deliver_at(&mut self, read_at: Instant) -> Instant {
         let mut delay = self.cfg.rtt / 2;
@@ -124,6 +130,16 @@ mod tests {
         let mut link = Schedule::new(&config(20, 0, 1.0), 3);
         let start = Instant::now();
         assert_eq!(link.deliver_at(start) - start, MS * 210);
+    }
+
+    #[test]
+    fn a_new_config_applies_to_later_chunks_without_reordering() {
+        let mut link = Schedule::new(&config(100, 0, 0.0), 4);
+        let start = Instant::now();
+        let first = link.deliver_at(start);
+        link.set_config(&config(0, 0, 0.0));
+        assert_eq!(link.deliver_at(start + MS), first, "a faster link never overtakes the chunk before");
+        assert_eq!(link.deliver_at(start + MS * 60), start + MS * 60);
     }
 
     #[test]

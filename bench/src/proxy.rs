@@ -8,6 +8,10 @@
 //!
 //! Both halves of a connection run in one task, so nothing outlives the connection, and shutting the
 //! proxy down drops (and so closes) every connection still open.
+//!
+//! The link can be changed while the proxy runs ([`ProxyHandle::set_link`]): readers look at the
+//! current link for every chunk, so a benchmark can sweep RTTs over the same kept-alive connections
+//! without restarting what sits behind the proxy.
 
 use std::future::Future;
 use std::io;
@@ -17,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::{sleep, sleep_until, Duration, Instant};
 
@@ -35,6 +39,14 @@ type Chunk = (Instant, Vec<u8>);
 /// `shutdown` resolves; then stops accepting and closes the connections still open.
 pub async fn run_proxy(listener: TcpListener, upstream: String, cfg: LinkConfig, shutdown: impl Future) -> io::Result<()> {
     cfg.check().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    // Nobody changes this link: the receivers keep reading its one value after the sender is gone.
+    let (_, link) = watch::channel(cfg);
+    serve(listener, upstream, link, shutdown).await
+}
+
+/// [`run_proxy`] with a link that may change while it runs.
+async fn serve(listener: TcpListener, upstream: String, link: watch::Receiver<LinkConfig>, shutdown: impl Future) -> io::Result<()> {
+    let cfg = *link.borrow();
     let seed = cfg.seed.unwrap_or_else(rand::random);
     tracing::info!(addr = %listener.local_addr()?, %upstream, rtt = ?cfg.rtt, jitter = ?cfg.jitter, loss = cfg.loss, seed, "proxying");
     // Connections draw their own seeds from this one, so a run with a seed repeats exactly.
@@ -46,8 +58,9 @@ pub async fn run_proxy(listener: TcpListener, upstream: String, cfg: LinkConfig,
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
                 Ok((client, peer)) => {
-                    let links = (Schedule::new(&cfg, seeds.random()), Schedule::new(&cfg, seeds.random()));
-                    connections.spawn(connection(client, peer, upstream.clone(), links));
+                    let now = *link.borrow();
+                    let links = (Schedule::new(&now, seeds.random()), Schedule::new(&now, seeds.random()));
+                    connections.spawn(connection(client, peer, upstream.clone(), links, link.clone()));
                 }
                 Err(e) => {
                     // Usually out of file descriptors: wait for some to close rather than spin.
@@ -66,6 +79,7 @@ pub async fn run_proxy(listener: TcpListener, upstream: String, cfg: LinkConfig,
 #[derive(Debug)]
 pub struct ProxyHandle {
     addr: SocketAddr,
+    link: watch::Sender<LinkConfig>,
     stop: oneshot::Sender<()>,
     task: JoinHandle<io::Result<()>>,
 }
@@ -74,6 +88,18 @@ impl ProxyHandle {
     /// Where clients connect.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Changes the link for every chunk read from now on, on open connections too.
+    pub fn set_link(&self, cfg: LinkConfig) -> io::Result<()> {
+        cfg.check().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+        self.link.send_replace(cfg);
+        Ok(())
+    }
+
+    /// The link in force.
+    pub fn link(&self) -> LinkConfig {
+        *self.link.borrow()
     }
 
     /// Stops accepting, closes the open connections and waits for the proxy to finish.
@@ -90,46 +116,48 @@ pub async fn spawn_proxy(upstream: impl Into<String>, cfg: LinkConfig) -> io::Re
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = oneshot::channel::<()>();
+    let (link, links) = watch::channel(cfg);
     // The sender is only ever dropped: its drop is the signal.
-    let task = tokio::spawn(run_proxy(listener, upstream.into(), cfg, stopped));
-    Ok(ProxyHandle { addr, stop, task })
+    let task = tokio::spawn(serve(listener, upstream.into(), links, stopped));
+    Ok(ProxyHandle { addr, link, stop, task })
 }
 
-async fn connection(client: TcpStream, peer: SocketAddr, upstream: String, links: (Schedule, Schedule)) {
-    match relay(client, &upstream, links).await {
+async fn connection(client: TcpStream, peer: SocketAddr, upstream: String, links: (Schedule, Schedule), link: watch::Receiver<LinkConfig>) {
+    match relay(client, &upstream, links, link).await {
         Ok((up, down)) => tracing::debug!(%peer, up, down, "connection closed"),
         Err(e) => tracing::debug!(%peer, "connection ended: {e}"),
     }
 }
 
 /// Relays both directions until both have closed; returns the bytes carried up and down.
-async fn relay(mut client: TcpStream, upstream: &str, (up, down): (Schedule, Schedule)) -> io::Result<(u64, u64)> {
+async fn relay(mut client: TcpStream, upstream: &str, (up, down): (Schedule, Schedule), link: watch::Receiver<LinkConfig>) -> io::Result<(u64, u64)> {
     let mut server = TcpStream::connect(upstream).await.inspect_err(|e| tracing::warn!("cannot connect to {upstream}: {e}"))?;
     // The link sets the timing; Nagle's algorithm would add its own.
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let (client_read, client_write) = client.split();
     let (server_read, server_write) = server.split();
-    tokio::try_join!(pipe(client_read, server_write, up), pipe(server_read, client_write, down))
+    tokio::try_join!(pipe(client_read, server_write, up, link.clone()), pipe(server_read, client_write, down, link))
 }
 
 /// One direction: reads chunks, holds each until its delivery time, writes it; passes EOF on as a
 /// half-close after the last chunk.
-async fn pipe(from: impl AsyncRead + Unpin, to: impl AsyncWrite + Unpin, link: Schedule) -> io::Result<u64> {
+async fn pipe(from: impl AsyncRead + Unpin, to: impl AsyncWrite + Unpin, schedule: Schedule, link: watch::Receiver<LinkConfig>) -> io::Result<u64> {
     let (tx, rx) = mpsc::channel(QUEUE_CHUNKS);
-    let ((), carried) = tokio::try_join!(read_chunks(from, tx, link), write_chunks(rx, to))?;
+    let ((), carried) = tokio::try_join!(read_chunks(from, tx, schedule, link), write_chunks(rx, to))?;
     Ok(carried)
 }
 
 /// Stamps each chunk with its delivery time; returns at EOF, dropping `tx` so the writer drains.
-async fn read_chunks(mut from: impl AsyncRead + Unpin, tx: mpsc::Sender<Chunk>, mut link: Schedule) -> io::Result<()> {
+async fn read_chunks(mut from: impl AsyncRead + Unpin, tx: mpsc::Sender<Chunk>, mut schedule: Schedule, link: watch::Receiver<LinkConfig>) -> io::Result<()> {
     let mut buf = vec![0; CHUNK_BYTES];
     loop {
         let n = from.read(&mut buf).await?;
         if n == 0 {
             return Ok(());
         }
-        let due = link.deliver_at(Instant::now());
+        schedule.set_config(&link.borrow());
+        let due = schedule.deliver_at(Instant::now());
         if tx.send((due, buf[..n].to_vec())).await.is_err() {
             return Ok(()); // the writer has stopped and reports why
         }

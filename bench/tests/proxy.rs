@@ -86,6 +86,18 @@ async fn a_round_trip_takes_one_rtt() {
 }
 
 #[tokio::test]
+async fn a_new_rtt_applies_to_an_open_connection() {
+    let proxy = proxy_to_echo(LinkConfig::default()).await;
+    let mut stream = connect(&proxy).await;
+    assert!(round_trip(&mut stream).await < MS * 50);
+    proxy.set_link(LinkConfig::with_rtt(MS * 100)).unwrap();
+    assert_eq!(proxy.link().rtt, MS * 100);
+    let took = round_trip(&mut stream).await;
+    assert!(took >= MS * 100 && took < MS * 180, "{took:?}");
+    assert!(proxy.set_link(LinkConfig { loss: -1.0, ..LinkConfig::default() }).is_err());
+}
+
+#[tokio::test]
 async fn without_delay_a_round_trip_is_fast() {
     let proxy = proxy_to_echo(LinkConfig::default()).await;
     let mut stream = connect(&proxy).await;

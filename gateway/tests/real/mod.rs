@@ -85,6 +85,12 @@ pub async fn wait_ready(url: &str, what: &str) {
     }
 }
 
+/// Both output streams go to one file (tracing writes to stdout, panics to stderr).
+fn log_sink(path: &std::path::Path) -> Stdio {
+    let file = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+    Stdio::from(file)
+}
+
 fn log_file(name: &str, port: u16) -> PathBuf {
     std::env::temp_dir().join(format!("spade-test-{name}-{port}.log"))
 }
@@ -93,13 +99,14 @@ fn log_file(name: &str, port: u16) -> PathBuf {
 pub async fn start_verifier_on(port: u16, extra: &[&str]) -> Proc {
     let port = if port == 0 { free_port() } else { port };
     let log = log_file("verifier", port);
+    let _ = std::fs::remove_file(&log);
     let child = Command::new(verifier_bin())
         .args(["--model", tiny().to_str().unwrap(), "--port", &port.to_string()])
         .args(defaults(extra, &[("--log", "warn")]))
         .args(extra)
         .env("SPADE_VERIFIER_API_KEY", KEY)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
+        .stdout(log_sink(&log))
+        .stderr(log_sink(&log))
         .spawn()
         .expect("spawn spade-verifier");
     let p = Proc { child, url: format!("http://127.0.0.1:{port}"), port, log: Some(log) };
@@ -115,13 +122,14 @@ pub async fn start_verifier() -> Proc {
 pub async fn spawn_gateway(verifier: &str, extra: &[&str], wait: bool) -> Proc {
     let port = free_port();
     let log = log_file("gateway", port);
+    let _ = std::fs::remove_file(&log);
     let child = Command::new(env!("CARGO_BIN_EXE_spade-gateway"))
         .args(["--draft-model", tiny().to_str().unwrap(), "--verifier-url", verifier, "--port", &port.to_string()])
         .args(defaults(extra, &[("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")]))
         .args(extra)
         .env("SPADE_VERIFIER_API_KEY", KEY)
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
+        .stdout(log_sink(&log))
+        .stderr(log_sink(&log))
         .spawn()
         .expect("spawn spade-gateway");
     let p = Proc { child, url: format!("http://127.0.0.1:{port}"), port, log: Some(log) };
