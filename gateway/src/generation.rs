@@ -72,6 +72,8 @@ struct Run<'a> {
     /// Tokens of `seq` the verifier's session holds; 0 sends the full context.
     synced: usize,
     session_id: String,
+    /// A verify call was sent: the verifier may hold a session to free at the end.
+    session_opened: bool,
     decoder: IncrementalDecoder,
     stops: StopMatcher,
     /// Logprobs of tokens whose text is not sent yet.
@@ -90,7 +92,7 @@ impl<'a> Run<'a> {
         let record = GenerationRecord { degraded: !job.verify, ..Default::default() };
         let stops = StopMatcher::new(job.stops.clone());
         let seq = job.prompt.clone();
-        Self { state, job, events, started, seq, synced: 0, session_id, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), record, began: None }
+        Self { state, job, events, started, seq, synced: 0, session_id, session_opened: false, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), record, began: None }
     }
 
     /// Some(finish) when done, None when the client went away.
@@ -187,6 +189,7 @@ impl<'a> Run<'a> {
                 seed: self.job.seed,
                 top_logprobs: self.job.top_logprobs,
             };
+            self.session_opened = true;
             let result = tokio::select! {
                 r = self.state.verifier.verify(&request) => r,
                 _ = self.events.closed() => return Err(Ok(Gone)),
@@ -246,6 +249,11 @@ impl Drop for Run<'_> {
     fn drop(&mut self) {
         if let Some(model) = self.began.take() {
             model.end_generation();
+        }
+        // The verifier holds this generation's KV cache: free it now, not at LRU eviction.
+        if self.session_opened {
+            let (state, id) = (self.state.clone(), std::mem::take(&mut self.session_id));
+            tokio::spawn(async move { state.verifier.end_session(&id).await });
         }
     }
 }

@@ -85,6 +85,14 @@ impl VerifierClient {
         }
     }
 
+    /// Frees the verifier's cache of a finished generation (best effort: LRU eviction is the fallback).
+    pub async fn end_session(&self, id: &str) {
+        let sent = self.request(reqwest::Method::DELETE, &format!("/sessions/{id}")).timeout(INFO_TIMEOUT).send().await;
+        if let Err(e) = sent {
+            tracing::debug!("ending verifier session {id}: {}", describe(&e));
+        }
+    }
+
     pub async fn verify(&self, request: &VerifyRequest) -> Result<Exchange, CallError> {
         let body = serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?;
         let mut last = String::new();

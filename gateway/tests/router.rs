@@ -149,6 +149,19 @@ async fn seeded_sampling_reproduces() {
 }
 
 #[tokio::test]
+async fn finished_generations_free_their_verifier_session() {
+    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    for stream in [false, true] {
+        let (status, _, _) = chat(&gateway.url, hello(json!({"stream": stream, "max_tokens": 6}))).await;
+        assert_eq!(status, 200);
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let metrics = client().get(format!("{}/metrics", verifier.url)).bearer_auth("vkey").send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("\nspade_sessions 0\n"), "{metrics}");
+}
+
+#[tokio::test]
 async fn lost_sessions_are_resent_and_the_output_is_unchanged() {
     // A zero cache budget evicts every session right after its call: each delta gets 409.
     let verifier = start_verifier(FakeScorer::new(), &["--cache-budget-mb", "0"]).await;

@@ -17,7 +17,7 @@ mod verify;
 
 use std::future::Future;
 
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{middleware, Router};
 
 pub use config::Config;
@@ -29,6 +29,7 @@ pub use spade_http::shutdown_signal;
 pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/verify", post(verify::verify))
+        .route("/sessions/{id}", delete(verify::end_session))
         .route("/v1/info", get(admin::info))
         .route("/metrics", get(admin::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require_api_key));

@@ -6,7 +6,7 @@ use utoipa::OpenApi;
 #[derive(OpenApi)]
 #[openapi(
     info(title = "SPADE verifier", description = "Cloud side of SPADE: judges draft blocks with the large model."),
-    paths(crate::verify::verify, crate::admin::health, crate::admin::info, crate::admin::metrics),
+    paths(crate::verify::verify, crate::verify::end_session, crate::admin::health, crate::admin::info, crate::admin::metrics),
     components(schemas(
         spade_core::protocol::VerifyRequest,
         spade_core::protocol::VerifyResponse,

@@ -103,6 +103,11 @@ impl SessionStore {
         evicted
     }
 
+    /// Forgets a session (a call still using it finishes on its own copy). False if it was unknown.
+    pub fn remove(&self, id: &str) -> bool {
+        self.lock().slots.remove(id).is_some()
+    }
+
     /// (sessions, bytes held).
     pub fn usage(&self) -> (usize, usize) {
         let inner = self.lock();

@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use axum::extract::State;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
 use spade_core::{DraftToken, ErrorBody, SamplingParams};
 use spade_engine::round::verify_round;
@@ -166,4 +167,25 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
         logprobs: top_logprobs.map(|_| round.logprobs),
         timing: VerifyTiming { queue_ms: queued.as_secs_f64() * 1e3, forward_ms: round.forward_time.as_secs_f64() * 1e3 },
     })
+}
+
+/// End a session: its KV cache is freed now instead of waiting for LRU eviction. Gateways call this
+/// when a generation ends.
+#[utoipa::path(
+    delete,
+    path = "/sessions/{id}",
+    params(("id" = String, Path, description = "The session_id the gateway used")),
+    responses(
+        (status = 204, description = "Session freed"),
+        (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
+        (status = 404, description = "No such session (already ended or evicted)", body = ErrorBody),
+    ),
+    security(("bearer" = []))
+)]
+pub async fn end_session(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+    if state.sessions.remove(&id) {
+        Ok(StatusCode::NO_CONTENT)
+    } else {
+        Err(ApiError::NotFound)
+    }
 }

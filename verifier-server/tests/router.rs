@@ -336,3 +336,19 @@ async fn metrics_count_calls_and_acceptance() {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
     }
 }
+
+#[tokio::test]
+async fn ended_sessions_are_freed() {
+    let st = state(&[], true);
+    let mut body = greedy(&[3, 1], &[8]);
+    body["session_id"] = json!("done-soon");
+    assert_eq!(verify(&st, body).await.0, StatusCode::OK);
+    assert_eq!(st.sessions.usage().0, 1);
+    let (s, _, _) = call(&st, "DELETE", "/sessions/done-soon", None, None).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    let (s, _, _) = call(&st, "DELETE", "/sessions/done-soon", Some("sekret"), None).await;
+    assert_eq!(s, StatusCode::NO_CONTENT);
+    assert_eq!(st.sessions.usage().0, 0);
+    let (s, v, _) = call(&st, "DELETE", "/sessions/done-soon", Some("sekret"), None).await;
+    assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
+}
