@@ -102,13 +102,12 @@ impl<'a> Run<'a> {
         model.begin_generation(self.job.reproducible).await;
         self.began = Some(model.clone());
         let draft_params = DraftParams { sampling: self.job.sampling.for_draft(self.state.settings.draft_top_k), seed: self.job.seed };
-        let mut produced = 0usize;
-        while produced < self.job.max_tokens {
+        while self.produced() < self.job.max_tokens {
             if self.events.is_closed() {
                 return Ok(None);
             }
             // A round commits at most d + 1 tokens: never draft past the budget.
-            let remaining = self.job.max_tokens - produced;
+            let remaining = self.job.max_tokens - self.produced();
             let d = if self.record.degraded {
                 // Drafting alone: long blocks, since each draft call re-prefills what mistral.rs's
                 // prefix cache cannot match (a context that ends inside a cached entry).
@@ -143,7 +142,6 @@ impl<'a> Run<'a> {
             };
             for (i, &token) in committed.iter().enumerate() {
                 self.seq.push(token);
-                produced += 1;
                 self.record.completion_tokens += 1;
                 if model.meta().stop_token_ids.contains(&token) {
                     return self.finish(model.as_ref(), FinishReason::Stop).await;
@@ -157,7 +155,7 @@ impl<'a> Run<'a> {
                 if step.stopped {
                     return Ok(Some(FinishReason::Stop));
                 }
-                if produced == self.job.max_tokens {
+                if self.produced() == self.job.max_tokens {
                     break;
                 }
             }
@@ -165,7 +163,11 @@ impl<'a> Run<'a> {
         self.finish(model.as_ref(), FinishReason::Length).await
     }
 
-    /// Flushes held-back text (no stop sequence came) and ends.
+    fn produced(&self) -> usize {
+        self.record.completion_tokens as usize
+    }
+
+    /// Flushes held-back text and ends (with `stop` after all if that text completes a stop sequence).
     async fn finish(&mut self, model: &dyn EdgeModel, finish: FinishReason) -> Result<Option<FinishReason>, ApiError> {
         let tail = self.decoder.finish(|ids| model.decode(ids))?;
         let mut step = self.stops.push(&tail);
@@ -173,7 +175,7 @@ impl<'a> Run<'a> {
             step.emit.push_str(&self.stops.finish());
         }
         self.send_text(step.emit).await?;
-        Ok(Some(finish))
+        Ok(Some(if step.stopped { FinishReason::Stop } else { finish }))
     }
 
     /// One verify call (resending the full context if the verifier lost the session). The error
