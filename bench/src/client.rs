@@ -1,0 +1,185 @@
+//! The benchmark's client: one streamed chat completion, timed as a user would see it.
+//!
+//! Every request streams (`stream: true` with `stream_options.include_usage`), so time to first
+//! token is measured at the client, and the usage chunk at the end carries the gateway's accounting
+//! (verify calls, accepted drafts, bytes on the wire).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context};
+use futures::StreamExt;
+use serde::Serialize;
+use serde_json::{json, Value};
+use spade_core::openai::{ChatCompletionChunk, Usage};
+
+use crate::prompts::Message;
+
+/// What to ask for.
+#[derive(Debug, Clone)]
+pub struct ChatRequest<'a> {
+    pub messages: &'a [Message],
+    pub max_tokens: u32,
+    pub temperature: f64,
+    pub seed: u64,
+}
+
+/// What one request returned and how long it took.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Outcome {
+    pub text: String,
+    pub completion_tokens: u64,
+    pub accepted: u64,
+    pub rejected: u64,
+    pub verify_calls: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub degraded: bool,
+    /// Seconds from sending the request to the first non-empty text delta (the whole request when
+    /// no text came).
+    pub ttft_s: f64,
+    /// Seconds from sending the request to `[DONE]`.
+    pub total_s: f64,
+}
+
+/// Splits a byte stream of Server-Sent Events into the payloads of its `data:` lines. Bytes may
+/// arrive cut anywhere, even inside a UTF-8 character, so only complete lines are decoded.
+#[derive(Debug, Default)]
+pub struct SseDecoder {
+    pending: Vec<u8>,
+}
+
+impl SseDecoder {
+    pub fn push(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.pending.extend_from_slice(bytes);
+        let mut payloads = Vec::new();
+        while let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = self.pending.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&line);
+            let line = line.trim_end_matches(['\n', '\r']);
+            if let Some(data) = line.strip_prefix("data:") {
+                payloads.push(data.strip_prefix(' ').unwrap_or(data).to_string());
+            }
+        }
+        payloads
+    }
+}
+
+/// Folds one `data:` payload into `out`; true at `[DONE]`. An error event fails the request.
+fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<Usage>, first_text: &mut bool) -> anyhow::Result<bool> {
+    if payload == "[DONE]" {
+        return Ok(true);
+    }
+    let value: Value = serde_json::from_str(payload).with_context(|| format!("bad SSE payload {payload:?}"))?;
+    if let Some(error) = value.get("error") {
+        bail!("error event mid-stream: {error}");
+    }
+    let chunk: ChatCompletionChunk = serde_json::from_value(value).with_context(|| format!("not a chunk: {payload:?}"))?;
+    for choice in &chunk.choices {
+        if let Some(text) = choice.delta.content.as_deref().filter(|t| !t.is_empty()) {
+            *first_text = true;
+            out.text.push_str(text);
+        }
+    }
+    if chunk.usage.is_some() {
+        *usage = chunk.usage;
+    }
+    Ok(false)
+}
+
+/// Sends one streamed chat completion to `base_url` (the gateway) and reads it to the end.
+pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatRequest<'_>) -> anyhow::Result<Outcome> {
+    let body = json!({
+        "model": "spade",
+        "messages": req.messages,
+        "max_tokens": req.max_tokens,
+        "temperature": req.temperature,
+        "seed": req.seed,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let started = Instant::now();
+    let response = client.post(format!("{base_url}/v1/chat/completions")).json(&body).send().await.context("sending the request")?;
+    let status = response.status();
+    if !status.is_success() {
+        let text = response.text().await.unwrap_or_default();
+        bail!("gateway answered {status}: {text}");
+    }
+    let mut out = Outcome::default();
+    let (mut usage, mut ttft, mut done) = (None, None::<Duration>, false);
+    let mut decoder = SseDecoder::default();
+    let mut stream = response.bytes_stream();
+    while let Some(bytes) = stream.next().await {
+        let bytes = bytes.context("reading the stream")?;
+        for payload in decoder.push(&bytes) {
+            let mut first_text = false;
+            done |= apply(&payload, &mut out, &mut usage, &mut first_text)?;
+            if first_text && ttft.is_none() {
+                ttft = Some(started.elapsed());
+            }
+        }
+    }
+    out.total_s = started.elapsed().as_secs_f64();
+    out.ttft_s = ttft.map_or(out.total_s, |t| t.as_secs_f64());
+    if !done {
+        bail!("the stream ended without [DONE]");
+    }
+    let usage = usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
+    let spade = usage.spade.ok_or_else(|| anyhow!("usage has no `spade` object"))?;
+    out.completion_tokens = usage.completion_tokens.into();
+    out.accepted = usage.completion_tokens_details.accepted_prediction_tokens.into();
+    out.rejected = usage.completion_tokens_details.rejected_prediction_tokens.into();
+    out.verify_calls = spade.verify_calls.into();
+    out.bytes_sent = spade.bytes_sent;
+    out.bytes_received = spade.bytes_received;
+    out.degraded = spade.degraded;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_payloads_survive_arbitrary_cuts() {
+        let stream = "data: {\"a\":\"é\"}\r\n\n: keep-alive\n\ndata: [DONE]\n\n";
+        for cut in 0..stream.len() {
+            let bytes = stream.as_bytes();
+            let mut d = SseDecoder::default();
+            let mut got = d.push(&bytes[..cut]);
+            got.extend(d.push(&bytes[cut..]));
+            assert_eq!(got, vec!["{\"a\":\"é\"}".to_string(), "[DONE]".to_string()], "cut at {cut}");
+        }
+    }
+
+    fn chunk(content: Option<&str>, usage: Option<Value>) -> String {
+        let choices = match content {
+            Some(c) => json!([{"index": 0, "delta": {"content": c}, "logprobs": null, "finish_reason": null}]),
+            None => json!([]),
+        };
+        json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "spade", "choices": choices, "usage": usage}).to_string()
+    }
+
+    #[test]
+    fn chunks_fold_into_text_and_usage() {
+        let usage = json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+            "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1},
+            "spade": {"verify_calls": 1, "mean_tokens_per_call": 3.0, "draft_len": 2, "bytes_sent": 100, "bytes_received": 50, "degraded": false}});
+        let (mut out, mut u, mut first) = (Outcome::default(), None, false);
+        assert!(!apply(&chunk(Some(""), None), &mut out, &mut u, &mut first).unwrap());
+        assert!(!first, "an empty delta is not the first token");
+        assert!(!apply(&chunk(Some("Hi"), None), &mut out, &mut u, &mut first).unwrap());
+        assert!(first);
+        assert!(!apply(&chunk(None, Some(usage)), &mut out, &mut u, &mut first).unwrap());
+        assert!(apply("[DONE]", &mut out, &mut u, &mut first).unwrap());
+        assert_eq!(out.text, "Hi");
+        assert_eq!(u.unwrap().spade.unwrap().verify_calls, 1);
+    }
+
+    #[test]
+    fn an_error_event_fails_the_request() {
+        let (mut out, mut u, mut first) = (Outcome::default(), None, false);
+        let err = apply(r#"{"error":{"message":"verifier down"}}"#, &mut out, &mut u, &mut first).unwrap_err();
+        assert!(err.to_string().contains("verifier down"), "{err}");
+        assert!(apply("not json", &mut out, &mut u, &mut first).is_err());
+    }
+}
