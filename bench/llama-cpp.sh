@@ -58,7 +58,7 @@ trap 'rm -f "$log"' EXIT
 for rep in $(seq 1 "$reps"); do
   start=$(date +%s.%N)
   "$bin/llama-simple" -m "$target" -n 24 "$prompt" >"$log" 2>&1
-  wall=$(echo "$(date +%s.%N) - $start" | bc)
+  wall=$(printf "%.1f" "$(echo "$(date +%s.%N) - $start" | bc)")
   pp=$(sed -n 's/.*prompt eval time.*, *\([0-9.]*\) tokens per second.*/\1/p' "$log")
   tg=$(sed -n 's/.* eval time.*runs.*, *\([0-9.]*\) tokens per second.*/\1/p' "$log" | tail -n1)
   echo "| target-only | $rep | $pp | $tg | — | $wall |"
@@ -66,7 +66,7 @@ for rep in $(seq 1 "$reps"); do
     start=$(date +%s.%N)
     "$bin/llama-speculative-simple" -m "$target" -md "$draft" --spec-type draft-simple --spec-draft-n-max "$d" \
       -p "$prompt" -n 24 --temp 0 -t 2 -td 2 --poll 0 --spec-draft-poll 0 -c 1024 >"$log" 2>&1
-    wall=$(echo "$(date +%s.%N) - $start" | bc)
+    wall=$(printf "%.1f" "$(echo "$(date +%s.%N) - $start" | bc)")
     pp=$(sed -n 's/.*encoded.*speed: *\([0-9.]*\) t\/s.*/\1/p' "$log")
     tg=$(sed -n 's/.*decoded.*speed: *\([0-9.]*\) t\/s.*/\1/p' "$log")
     acc=$(sed -n 's/.*accept *= *\([0-9.]*%\).*/\1/p' "$log")

@@ -255,6 +255,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let error = outcome.err().map(|e| format!("{e:#}"));
     let results = std::mem::take(&mut runner.results);
     drop(runner); // stops the verifier and the proxy
+    // The run's links to the server binaries were only needed while it ran.
+    let _ = std::fs::remove_dir_all(out.join("bin"));
 
     let timing_ids: HashSet<String> = plan.timing.iter().map(|&i| plan.prompts[i].id.clone()).collect();
     let summary = summarise(&results, &plan.modes, &plan.rtts_ms, &timing_ids);
