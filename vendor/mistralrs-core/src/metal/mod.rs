@@ -1,0 +1,2 @@
+pub mod gdn;
+pub mod ssm;
