@@ -1,6 +1,5 @@
-use candle_core::{Device, Result};
+use candle_core::Result;
 use indexmap::IndexMap;
-use itertools::Itertools;
 use tracing::info;
 
 use crate::{
@@ -101,9 +100,25 @@ impl PrefixCacheManagerV2 {
         // PrefixCacheManagerV2 only handles non-paged attention caching.
         if !self.has_paged_attention {
             let cache = seq.normal_cache().to_vec();
+            // SPADE patch: the last sampled token of a finished sequence was never fed through the
+            // model, so it has no KV row. Key the entry by the tokens that do: keyed by all of them, a
+            // later request extending this sequence reused a row that was never written.
+            let toks = seq.get_toks();
+            let kv_len = cache
+                .iter()
+                .flatten()
+                .find_map(|layer| match layer {
+                    KvCache::Normal { k, .. } => Some(k.current_seq_len()),
+                    _ => None,
+                })
+                .unwrap_or(toks.len())
+                .min(toks.len());
+            if kv_len == 0 {
+                return;
+            }
 
             self.caches.insert(
-                seq.get_toks().to_vec().into(),
+                toks[..kv_len].to_vec().into(),
                 CacheElement {
                     cache,
                     recurrent_snapshots,
@@ -117,67 +132,17 @@ impl PrefixCacheManagerV2 {
 
     /// Evict the caches. This will evict the first k seqs such that the number of sequences on device after the copy is
     /// the maximum allowed. Returns the number of evicted sequences.
+    ///
+    /// SPADE patch: upstream counted only entries on non-CPU devices, so on CPU nothing was ever
+    /// evicted and every finished request's KV buffers stayed in memory. Every entry counts now;
+    /// the oldest go first.
     pub fn evict_caches(&mut self) -> Result<usize> {
         if self.no_prefix_cache {
             return Ok(0);
         }
-        let mut n_on_device = 0;
-        for cache in self.caches.values() {
-            let first_non_none = cache
-                .cache
-                .iter()
-                .find_or_first(|x| x.as_ref().is_some_and(|kv| kv.k().ok().flatten().is_some()));
-            let Some(Some(first_non_none)) = first_non_none else {
-                continue;
-            };
-
-            let cache_device = match first_non_none {
-                KvCache::Normal { k, .. } => {
-                    k.all_data().as_ref().expect("No KV cache data").device()
-                }
-                KvCache::Rotating { k, .. } => {
-                    k.all_data().as_ref().expect("No KV cache data").device()
-                }
-                KvCache::Shared { .. } => continue,
-            };
-
-            if !matches!(cache_device, Device::Cpu) {
-                n_on_device += 1;
-            }
-        }
-        let mut n_evicted = 0;
-        // Intentionally evict the first ones first, as they are the oldest
-        for cache in self.caches.values_mut() {
-            if n_on_device - n_evicted <= self.n_on_device {
-                break;
-            }
-            let first_non_none = cache
-                .cache
-                .iter()
-                .find_or_first(|x| x.as_ref().is_some_and(|kv| kv.k().ok().flatten().is_some()));
-            let Some(Some(first_non_none)) = first_non_none else {
-                continue;
-            };
-
-            let cache_device = match first_non_none {
-                KvCache::Normal { k, .. } => {
-                    k.all_data().as_ref().expect("No KV cache data").device()
-                }
-                KvCache::Rotating { k, .. } => {
-                    k.all_data().as_ref().expect("No KV cache data").device()
-                }
-                KvCache::Shared { .. } => continue,
-            };
-
-            if !matches!(cache_device, Device::Cpu) {
-                cache.cache.clear();
-                n_evicted += 1;
-            }
-        }
-
-        self.caches.retain(|_tokens, cache| !cache.cache.is_empty());
-
-        Ok(n_evicted)
+        let excess = self.caches.len().saturating_sub(self.n_on_device.max(1));
+        self.caches.drain(..excess);
+        Ok(excess)
     }
 
     /// Evict all the caches.
@@ -252,7 +217,10 @@ impl PrefixCacheManagerV2 {
 
         let mut best_match: Option<(usize, &CacheElement, usize, usize, usize)> = None;
         for (k, v) in &self.caches {
-            let match_len = toks.shared_prefix_len(k);
+            // SPADE patch: at most all but the last token, whose logits the request needs. Upstream
+            // took the full match and then declined it (no new tokens to run), so a request that
+            // was a prefix of a cached sequence re-ran its whole prompt.
+            let match_len = toks.shared_prefix_len(k).min(toks.0.len() - 1);
             if match_len == 0 {
                 continue;
             }
@@ -352,6 +320,28 @@ impl PrefixCacheManagerV2 {
             }
 
             let mut cache = cache_element.clone();
+            // SPADE patch: the clone shared the entry's KV storage, and the new sequence appends in
+            // place from match_len on, overwriting rows that the entry (and any later request
+            // matching it) still counts as its own. Give the sequence its own buffers.
+            for layer in cache.cache.iter_mut().flatten() {
+                match layer {
+                    KvCache::Normal { k, v } => {
+                        for c in [k, v] {
+                            if let Some(data) = c.all_data.as_mut() {
+                                *data = data.copy()?;
+                            }
+                        }
+                    }
+                    KvCache::Rotating { k, v } => {
+                        for c in [k, v] {
+                            if let Some(data) = c.all_data.as_mut() {
+                                *data = data.copy()?;
+                            }
+                        }
+                    }
+                    KvCache::Shared { .. } => {}
+                }
+            }
             // Count how many input images are not already cached
             let images_to_keep = if let Some(input_hashes) = image_hashes {
                 input_hashes.len().saturating_sub(images_match_until)

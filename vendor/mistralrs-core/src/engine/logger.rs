@@ -47,6 +47,11 @@ impl IntervalLogger {
             // Start the actual logging
             loop {
                 thread::sleep(interval);
+                // SPADE patch: stop with the logger. Upstream looped forever, so every dropped
+                // engine left this thread behind.
+                if Arc::strong_count(&t_total_new_seqs) == 1 {
+                    break;
+                }
                 if !t_enable_logging.load(Ordering::Relaxed) {
                     continue;
                 }
