@@ -5,13 +5,10 @@
 //! that q, records both, and returns logits that leave mistral.rs's argmax no other choice. The
 //! engine's reported logprobs are never used.
 //!
-//! mistral.rs 0.8.1 prefix-cache bug: the last token of a finished sequence has no KV row, yet a later
-//! request may match it. So each round generates one more token than it proposes, and that filler is
-//! forced to be an end-of-sequence token: every proposed token then has a KV row, and the only row-less
-//! token can match only a context that ends with end-of-sequence, where generation stops anyway.
-//!
-//! 0.8.1 also never evicts prefix-cache entries on CPU. Every `reset_after_rounds` rounds the engine is
-//! rebuilt on the same loaded pipeline (weights are kept; the cache is dropped with the old engine).
+//! Consecutive rounds of a generation reuse each other's KV rows through mistral.rs's prefix cache.
+//! We build against mistral.rs 0.8.1 with four fixes to that cache and its engine (vendor/README.md):
+//! entries keyed only by tokens that have KV rows, a request that is a prefix of an entry served from
+//! it, entries copied on a hit instead of overwritten in place, and eviction on CPU.
 
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
@@ -40,29 +37,27 @@ pub struct DraftParams {
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {
-    /// Rebuild the engine (dropping its never-evicted prefix cache) after this many rounds.
-    pub reset_after_rounds: usize,
-    /// Sequences mistral.rs may run at once.
+    /// Sequences mistral.rs may run at once. The prefix cache keeps two finished rounds per
+    /// sequence (at least 16), enough for every running generation to find its last round.
     pub max_concurrent: usize,
-    /// The 0.8.1 prefix-cache workaround (see the module docs). Off only to show the bug in a test,
-    /// or with a mistral.rs release that fixed it.
-    pub fill_kv: bool,
     /// Process memory allowed above what it was once the model loaded; beyond it the engine is
-    /// rebuilt after `BUDGET_MIN_ROUNDS` rounds instead of `reset_after_rounds`. Under concurrent
-    /// load the never-evicted cache entries (one per round, each holding a 512-position KV buffer)
-    /// pile up faster than the round count alone bounds.
+    /// rebuilt (dropping its prefix cache) at most every `BUDGET_MIN_ROUNDS` rounds. The cache is
+    /// bounded by entry count; this bounds what long contexts make those entries weigh.
     pub cache_budget_bytes: Option<usize>,
 }
 
 impl Default for DrafterOptions {
     fn default() -> Self {
-        Self { reset_after_rounds: 64, max_concurrent: 8, fill_kv: true, cache_budget_bytes: Some(1 << 30) }
+        Self { max_concurrent: 8, cache_budget_bytes: Some(1 << 30) }
     }
 }
 
 /// Fewest rounds between two rebuilds forced by the memory budget (freed pages take a round or two
 /// to come back, and each rebuild costs the running generations a re-prefill).
 const BUDGET_MIN_ROUNDS: usize = 8;
+
+/// Finished rounds the prefix cache keeps per concurrent sequence.
+const CACHED_ROUNDS_PER_SEQUENCE: usize = 2;
 
 struct Runner {
     model: Model,
@@ -222,9 +217,11 @@ fn release_freed_memory() {
 /// the pipeline is free, build in a task, and retry the rare race that is still lost.
 async fn build_runner(pipeline: &Arc<tokio::sync::Mutex<dyn Pipeline>>, max_concurrent: usize) -> Result<Model, EngineError> {
     let method = DefaultSchedulerMethod::Fixed(NonZeroUsize::new(max_concurrent.max(1)).expect("non-zero"));
+    let cached_rounds = (max_concurrent * CACHED_ROUNDS_PER_SEQUENCE).max(16);
     for attempt in 0..12u32 {
         drop(pipeline.lock().await);
-        let builder = MistralRsBuilder::new(pipeline.clone(), SchedulerConfig::DefaultScheduler { method: method.clone() }, false, None).with_prefix_cache_n(16);
+        let builder = MistralRsBuilder::new(pipeline.clone(), SchedulerConfig::DefaultScheduler { method: method.clone() }, false, None)
+            .with_prefix_cache_n(cached_rounds);
         match tokio::spawn(async move { builder.build().await }).await {
             Ok(runner) => return Ok(Model::new(runner)),
             Err(e) if e.is_panic() => {
@@ -269,8 +266,6 @@ struct Recorder {
     start: usize,
     n: usize,
     params: DraftParams,
-    /// Forced after the n proposals so that the last proposal gets a KV row.
-    filler: u32,
     drafts: Mutex<Vec<DraftToken>>,
     steps: std::sync::atomic::AtomicUsize,
 }
@@ -282,14 +277,12 @@ impl CustomLogitsProcessor for Recorder {
         let step = self.steps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let position = self.start + step;
         let logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
-        let token = if step < self.n {
-            let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
+        let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
+        // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
+        if step < self.n {
             self.drafts.lock().expect("draft recorder poisoned").push(DraftToken { token, q });
-            token
-        } else {
-            self.filler
-        };
+        }
         let mut forced = vec![f32::NEG_INFINITY; logits_vec.len()];
         forced[token as usize] = 0.0;
         candle_core::Tensor::from_vec(forced, logits_vec.len(), logits.device())
@@ -302,14 +295,14 @@ impl Drafter for MistralDrafter {
         &self.meta
     }
 
-    /// mistral.rs 0.8.1's prefix-cache entries share KV storage that later requests overwrite in place,
-    /// so an entry from an earlier generation can hold rows of another continuation. Harmless for
-    /// losslessness (q is whatever we computed), but it makes drafts depend on history: start each
-    /// generation from an empty cache. Rebuilding the engine on the loaded pipeline takes milliseconds.
+    /// A KV row served from the prefix cache can differ in the last float bits from one computed by a
+    /// fresh prefill, so drafts depend slightly on what ran before. Harmless for losslessness (q is
+    /// whatever we computed), but a seeded request should draft, and so answer, the same every time:
+    /// `fresh` starts it from an empty cache. Rebuilding the engine on the loaded pipeline takes
+    /// milliseconds.
     ///
     /// Only when asked and no other generation is running: under concurrent load a reset would throw
-    /// away every other generation's cache. (Each rebuild also leaves one idle runtime thread of
-    /// mistral.rs's old engine behind, another reason to rebuild rarely.)
+    /// away every other generation's cache.
     async fn begin_generation(&self, fresh: bool) {
         if self.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 && fresh {
             self.maybe_reset(1).await;
@@ -327,13 +320,13 @@ impl Drafter for MistralDrafter {
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
         }
-        let limit = if self.over_budget() { BUDGET_MIN_ROUNDS } else { self.options.reset_after_rounds };
-        self.maybe_reset(limit).await;
+        if self.over_budget() {
+            self.maybe_reset(BUDGET_MIN_ROUNDS).await;
+        }
         let recorder = Arc::new(Recorder {
             start: committed.len(),
             n,
             params: params.clone(),
-            filler: self.meta.stop_token_ids[0],
             drafts: Mutex::new(Vec::with_capacity(n)),
             steps: Default::default(),
         });
@@ -346,10 +339,9 @@ impl Drafter for MistralDrafter {
             }
         }
         let runner = self.runner.read().await;
-        let generate = if self.options.fill_kv { n + 1 } else { n };
         let request = new_request(
             RequestMessage::CompletionTokens(committed.to_vec()),
-            generate,
+            n,
             tx,
             runner.model.inner().next_request_id(),
             Some(recorder.clone() as Arc<dyn CustomLogitsProcessor>),

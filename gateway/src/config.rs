@@ -72,8 +72,9 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_MODEL_NAME", default_value = "spade")]
     pub model_name: String,
 
-    /// MiB the draft engine's caches may hold above the loaded model before it is rebuilt (mistral.rs
-    /// never evicts its prefix cache on CPU). 0: rebuild by round count only.
+    /// MiB the draft engine's caches may hold above the loaded model before the engine is rebuilt.
+    /// The prefix cache already keeps a bounded number of rounds; this bounds what long contexts
+    /// make them weigh. 0: no limit.
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_CACHE_MB", default_value_t = 1024)]
     pub draft_cache_mb: usize,
 
