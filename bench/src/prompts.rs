@@ -8,8 +8,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-/// The prompt set shipped with this crate.
-pub const PROMPTS_PATH: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/prompts.jsonl");
+/// The prompt set shipped with this crate, relative to the repository root (where `scripts/bench.sh`
+/// runs the benchmark). Not a compile-time absolute path: a binary from a shared target folder may
+/// have been built in another checkout.
+pub const PROMPTS_PATH: &str = "bench/prompts.jsonl";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -83,7 +85,7 @@ mod tests {
 
     #[test]
     fn the_shipped_prompts_cover_every_category() {
-        let prompts = load_prompts(PROMPTS_PATH).unwrap();
+        let prompts = load_prompts(concat!(env!("CARGO_MANIFEST_DIR"), "/prompts.jsonl")).unwrap();
         assert!(prompts.len() >= 36, "{} prompts", prompts.len());
         for category in Category::ALL {
             let n = prompts.iter().filter(|p| p.category == category).count();

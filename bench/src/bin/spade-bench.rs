@@ -24,10 +24,13 @@ use spade_bench::runner::{Runner, Setup};
 use spade_bench::summary::{summarise, BatchResult, Summary};
 use spade_bench::{load_prompts, PROMPTS_PATH};
 
-const WORKSPACE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-
 #[derive(Debug, Parser)]
-#[command(name = "spade-bench", version, about = "End-to-end SPADE benchmark: cloud calls saved, losslessness, speed, and the network's effect")]
+#[command(
+    name = "spade-bench",
+    version,
+    about = "End-to-end SPADE benchmark: cloud calls saved, losslessness, speed, and the network's effect",
+    after_help = "Default paths are relative to the working directory: run it from the repository root (scripts/bench.sh does)."
+)]
 struct Args {
     /// Speculative draft lengths: short, the gateway's default, long. Each one costs about 5
     /// minutes of the default run on 2 cores (mostly its 30 accounting requests), so 1,2,4,6,8
@@ -82,10 +85,10 @@ struct Args {
     #[arg(long, env = "SPADE_BENCH_SEED", default_value_t = 1234)]
     seed: u64,
 
-    #[arg(long, env = "SPADE_BENCH_DRAFT_MODEL", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"))]
+    #[arg(long, env = "SPADE_BENCH_DRAFT_MODEL", default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
     draft_model: String,
 
-    #[arg(long, env = "SPADE_BENCH_TARGET_MODEL", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))]
+    #[arg(long, env = "SPADE_BENCH_TARGET_MODEL", default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")]
     target_model: String,
 
     /// The prompt set (JSON lines, see bench/PROMPTS.md).
@@ -140,10 +143,15 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
+/// A model's file name: the report states which weights ran, not where this machine keeps them.
+fn file_name(path: &str) -> &str {
+    Path::new(path).file_name().and_then(|f| f.to_str()).unwrap_or(path)
+}
+
 /// The commit measured, and whether the working tree differed from it.
 fn git_state() -> String {
     let git = |args: &[&str]| {
-        std::process::Command::new("git").arg("-C").arg(WORKSPACE).args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git").args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     match (git(&["rev-parse", "--short", "HEAD"]), git(&["status", "--porcelain", "--untracked-files=no"])) {
         (Some(head), Some(changes)) if !changes.is_empty() => format!("git {head} with uncommitted changes"),
@@ -228,7 +236,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(Path::new(model).exists(), "{model} not found: run `bash scripts/fetch-models.sh pair`");
     }
     let stamp = utc_stamp();
-    let out = args.out.clone().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("results").join(&stamp));
+    let out = args.out.clone().unwrap_or_else(|| Path::new("bench/results").join(&stamp));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let bin_dir = match &args.bin_dir {
         Some(d) => d.clone(),
@@ -266,8 +274,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         command: &command,
         machine: &machine,
         git: &git,
-        draft_model: &args.draft_model,
-        target_model: &args.target_model,
+        draft_model: file_name(&args.draft_model),
+        target_model: file_name(&args.target_model),
         wall_s: started.elapsed().as_secs_f64(),
         plan: &plan,
     };
