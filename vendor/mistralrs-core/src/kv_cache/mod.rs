@@ -269,8 +269,11 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
     ) {
         let mut new_k_cache = Vec::new();
         let mut new_v_cache = Vec::new();
+        // SPADE patch: the batch's capacity per layer (see below).
+        let mut batch_capacities = Vec::new();
 
         for layer in 0..pipeline.get_metadata().num_hidden_layers {
+            batch_capacities.push(None);
             // Preallocate combined k and v caches across all sequences, avoiding Tensor::cat copies
             let batch_len = seqs.len();
             // Use the first sequence as template
@@ -299,9 +302,41 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
                     }
                 }
             };
+            // SPADE patch: sequences batched together can hold buffers of different capacities (a
+            // buffer is first allocated at the capacity the pipeline's cache has reached, which only
+            // grows), and upstream's slice_set below panicked on the mismatch, killing the engine.
+            // Normal caches are batched at the largest capacity, the others padded with zeros past
+            // their capacity (rows that are never read: only current_seq_len rows count).
+            let capacity_dim = match seqs[0].normal_cache().get(layer).and_then(|c| c.as_ref()) {
+                Some(KvCache::Normal { k, .. }) if !modify_draft_cache => Some(k.dim),
+                _ => None,
+            };
+            let capacity = capacity_dim.map(|d| {
+                seqs.iter_mut()
+                    .filter_map(|seq| match seq.normal_cache().get(layer).and_then(|c| c.as_ref()) {
+                        Some(KvCache::Normal { k, .. }) => k.all_data.as_ref().and_then(|t| t.dim(d).ok()),
+                        _ => None,
+                    })
+                    .max()
+                    .unwrap_or(first_k.dims()[d])
+            });
+            let pad = |t: Tensor| -> Tensor {
+                match (capacity_dim, capacity) {
+                    (Some(d), Some(cap)) if t.dims()[d] < cap => {
+                        let missing = cap - t.dims()[d];
+                        t.pad_with_zeros(d, 0, missing).unwrap()
+                    }
+                    _ => t,
+                }
+            };
+            *batch_capacities.last_mut().unwrap() = capacity;
             // Build dims for batched cache
             let mut dims_k = first_k.dims().to_vec();
             let mut dims_v = first_v.dims().to_vec();
+            if let (Some(d), Some(cap)) = (capacity_dim, capacity) {
+                dims_k[d] = cap;
+                dims_v[d] = cap;
+            }
             dims_k[0] *= batch_len;
             dims_v[0] *= batch_len;
             let batch_k = Tensor::zeros(dims_k.clone(), first_k.dtype(), first_k.device()).unwrap();
@@ -325,6 +360,7 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
                     }
                     KvCache::Shared { .. } => continue,
                 };
+                let (src_k, src_v) = (pad(src_k), pad(src_v));
                 let offset = i * first_k.dims()[0];
                 batch_k.slice_set(&src_k, 0, offset).unwrap();
                 batch_v.slice_set(&src_v, 0, offset).unwrap();
@@ -354,7 +390,7 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
                     let template_cache_dim = old_k.dim;
                     let template_cache_csl = old_k.current_seq_len;
                     let template_cache_msl = old_k.max_seq_len;
-                    let template_cache_capsl = old_k.capacity_seq_len;
+                    let template_cache_capsl = batch_capacities[layer_idx].unwrap_or(old_k.capacity_seq_len);
 
                     caches.push(KvCache::Normal {
                         k: SingleCache {
