@@ -6,9 +6,10 @@
 //! engine's reported logprobs are never used.
 //!
 //! Consecutive rounds of a generation reuse each other's KV rows through mistral.rs's prefix cache.
-//! We build against mistral.rs 0.8.1 with four fixes to that cache and its engine (vendor/README.md):
+//! We build against mistral.rs 0.8.1 with fixes to that cache and its engine (vendor/README.md):
 //! entries keyed only by tokens that have KV rows, a request that is a prefix of an entry served from
-//! it, entries copied on a hit instead of overwritten in place, and eviction on CPU.
+//! it, entries copied on a hit instead of overwritten in place, eviction on CPU, no thread left behind
+//! by a dropped engine, and batching of KV buffers of different capacities.
 
 use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
