@@ -269,11 +269,8 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
     ) {
         let mut new_k_cache = Vec::new();
         let mut new_v_cache = Vec::new();
-        // SPADE patch: the batch's capacity per layer (see below).
-        let mut batch_capacities = Vec::new();
 
         for layer in 0..pipeline.get_metadata().num_hidden_layers {
-            batch_capacities.push(None);
             // Preallocate combined k and v caches across all sequences, avoiding Tensor::cat copies
             let batch_len = seqs.len();
             // Use the first sequence as template
@@ -329,7 +326,6 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
                     _ => t,
                 }
             };
-            *batch_capacities.last_mut().unwrap() = capacity;
             // Build dims for batched cache
             let mut dims_k = first_k.dims().to_vec();
             let mut dims_v = first_v.dims().to_vec();
@@ -390,7 +386,8 @@ impl<T: CacheManagerMixin + MetadataMixin + ?Sized> CacheManager<T> for NormalCa
                     let template_cache_dim = old_k.dim;
                     let template_cache_csl = old_k.current_seq_len;
                     let template_cache_msl = old_k.max_seq_len;
-                    let template_cache_capsl = batch_capacities[layer_idx].unwrap_or(old_k.capacity_seq_len);
+                    // SPADE patch: the batch's capacity, which the padding above may have raised.
+                    let template_cache_capsl = k_cache.as_ref().map_or(old_k.capacity_seq_len, |t| t.dims()[old_k.dim]);
 
                     caches.push(KvCache::Normal {
                         k: SingleCache {
