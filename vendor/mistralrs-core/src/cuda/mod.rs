@@ -1,4 +1,0 @@
-pub mod ffi;
-pub mod gdn;
-pub mod moe;
-pub mod ssm;

@@ -1,4 +1,0 @@
-pub mod autoencoder;
-pub mod model;
-pub mod sampling;
-pub mod stepper;

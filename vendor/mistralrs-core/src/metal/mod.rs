@@ -1,2 +1,0 @@
-pub mod gdn;
-pub mod ssm;
