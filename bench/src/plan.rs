@@ -255,7 +255,16 @@ mod tests {
     }
 
     fn sizes() -> Sizes {
-        Sizes { draft_lens: vec![4, 1, 4], accounting_prompts: 6, sampled_prompts: 2, timing_prompts: 2, max_tokens: 24, temperature: 0.8, reps: 3, rtts_ms: vec![50, 0] }
+        Sizes {
+            draft_lens: vec![4, 1, 4],
+            accounting_prompts: 6,
+            sampled_prompts: 2,
+            timing_prompts: 2,
+            max_tokens: 24,
+            temperature: 0.8,
+            reps: 3,
+            rtts_ms: vec![50, 0],
+        }
     }
 
     fn prompts() -> Vec<Prompt> {
@@ -282,9 +291,7 @@ mod tests {
     #[test]
     fn no_gateway_runs_the_timing_prompts_twice() {
         let plan = Plan::new(prompts(), &sizes()).unwrap();
-        let kinds = |rep, mode| {
-            plan.gateways(rep, mode).iter().map(|g| g.iter().map(|b| (b.kind, b.rtt_ms)).collect::<Vec<_>>()).collect::<Vec<_>>()
-        };
+        let kinds = |rep, mode| plan.gateways(rep, mode).iter().map(|g| g.iter().map(|b| (b.kind, b.rtt_ms)).collect::<Vec<_>>()).collect::<Vec<_>>();
         let spec = Mode::Speculative(4);
         assert_eq!(kinds(0, spec), vec![vec![(Kind::Accounting, 0), (Kind::Sampled, 0)], vec![(Kind::Timing, 50)]]);
         assert_eq!(kinds(1, spec), vec![vec![(Kind::Timing, 0), (Kind::Sampled, 0)], vec![(Kind::Timing, 50)]]);

@@ -120,7 +120,8 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
         }
     }
 
-    let categories: Vec<String> = s.greedy.iter().flat_map(|m| m.acceptance_by_category.keys().cloned()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let categories: Vec<String> =
+        s.greedy.iter().flat_map(|m| m.acceptance_by_category.keys().cloned()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
     if !categories.is_empty() {
         let _ = writeln!(out, "\n## Greedy acceptance by prompt category\n");
         let _ = writeln!(out, "| mode |{}", categories.iter().map(|c| format!(" {c} |")).collect::<String>());

@@ -64,9 +64,8 @@ impl<'a> Runner<'a> {
         let port = free_port()?;
         // Every request leaves a session behind (evicted LRU): a small budget keeps the verifier's
         // memory modest on a shared machine; no session is reused across requests anyway.
-        let mut args: Vec<String> = ["--model", &setup.target_model, "--port", &port.to_string(), "--api-key", VERIFIER_KEY, "--cache-budget-mb", "512"]
-            .map(String::from)
-            .to_vec();
+        let mut args: Vec<String> =
+            ["--model", &setup.target_model, "--port", &port.to_string(), "--api-key", VERIFIER_KEY, "--cache-budget-mb", "512"].map(String::from).to_vec();
         if let Some(t) = setup.verifier_threads {
             args.extend(["--threads".into(), t.to_string()]);
         }
@@ -76,7 +75,18 @@ impl<'a> Runner<'a> {
         println!("verifier ready in {:.1} s (pid {})", took.as_secs_f64(), verifier.pid());
         let link = LinkConfig { seed: Some(setup.seed), ..LinkConfig::default() };
         let proxy = spawn_proxy(format!("127.0.0.1:{port}"), link).await?;
-        Ok(Self { plan, setup, bin_dir, client, verifier, proxy, results: Vec::new(), started, estimated_done: VERIFIER_START_S, estimated_total: plan.estimate_seconds() })
+        Ok(Self {
+            plan,
+            setup,
+            bin_dir,
+            client,
+            verifier,
+            proxy,
+            results: Vec::new(),
+            started,
+            estimated_done: VERIFIER_START_S,
+            estimated_total: plan.estimate_seconds(),
+        })
     }
 
     /// Every repetition, every mode, every batch.
@@ -87,8 +97,10 @@ impl<'a> Runner<'a> {
                     let mut gateway = self.start_gateway(mode, rep, n).await?;
                     self.estimated_done += GATEWAY_START_S;
                     for batch in batches {
-                        let result =
-                            self.run_batch(&gateway, &batch).await.with_context(|| format!("{mode}, rep {rep}, {:?} at RTT {} ms", batch.kind, batch.rtt_ms))?;
+                        let result = self
+                            .run_batch(&gateway, &batch)
+                            .await
+                            .with_context(|| format!("{mode}, rep {rep}, {:?} at RTT {} ms", batch.kind, batch.rtt_ms))?;
                         self.estimated_done += self.plan.estimate_batch(&batch);
                         self.progress(&result);
                         self.results.push(result);

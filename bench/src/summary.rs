@@ -234,7 +234,9 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], timin
         results
             .iter()
             .filter(|b| b.batch.mode == mode && b.batch.rtt_ms == rtt)
-            .flat_map(|b| b.records.iter().filter(move |r| b.batch.kind == Kind::Timing || (b.batch.kind == Kind::Accounting && timing_prompts.contains(&r.prompt_id))))
+            .flat_map(|b| {
+                b.records.iter().filter(move |r| b.batch.kind == Kind::Timing || (b.batch.kind == Kind::Accounting && timing_prompts.contains(&r.prompt_id)))
+            })
             .collect()
     };
 
@@ -267,7 +269,10 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], timin
     for b in results {
         let calls: u64 = b.records.iter().map(|r| r.outcome.verify_calls).sum();
         if b.batch.mode.uses_verifier() && (calls as f64 - b.verifier.calls).abs() > 0.5 {
-            warnings.push(format!("{} {:?} rep {} RTT {} ms: gateway counted {calls} verify calls, verifier {}", b.batch.mode, b.batch.kind, b.batch.rep, b.batch.rtt_ms, b.verifier.calls));
+            warnings.push(format!(
+                "{} {:?} rep {} RTT {} ms: gateway counted {calls} verify calls, verifier {}",
+                b.batch.mode, b.batch.kind, b.batch.rep, b.batch.rtt_ms, b.verifier.calls
+            ));
         }
         let degraded = b.records.iter().filter(|r| r.outcome.degraded != (b.batch.mode == Mode::DraftOnly)).count();
         if degraded > 0 {
@@ -293,7 +298,10 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], timin
         rtt.extend(rows);
     }
 
-    let lossless = greedy.iter().filter(|m| matches!(m.mode, Mode::Speculative(_))).all(|m| m.identical.as_ref().is_some_and(|i| i.compared > 0 && i.identical == i.compared))
+    let lossless = greedy
+        .iter()
+        .filter(|m| matches!(m.mode, Mode::Speculative(_)))
+        .all(|m| m.identical.as_ref().is_some_and(|i| i.compared > 0 && i.identical == i.compared))
         && greedy.iter().any(|m| matches!(m.mode, Mode::Speculative(_)));
     Summary { greedy, sampled, rtt, best_by_rtt, lossless, warnings }
 }
@@ -302,9 +310,7 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], timin
 /// the target's output).
 fn best_at(rtt_ms: u64, rows: &[RttSummary]) -> Option<BestAtRtt> {
     let speed = |r: &RttSummary| r.timing.tokens_per_s.map(|s| s.median);
-    let fastest = |pred: fn(Mode) -> bool| {
-        rows.iter().filter(|r| pred(r.mode)).filter_map(|r| Some((r, speed(r)?))).max_by(|a, b| a.1.total_cmp(&b.1))
-    };
+    let fastest = |pred: fn(Mode) -> bool| rows.iter().filter(|r| pred(r.mode)).filter_map(|r| Some((r, speed(r)?))).max_by(|a, b| a.1.total_cmp(&b.1));
     let (best, best_tps) = fastest(Mode::uses_verifier)?;
     let spec = fastest(|m| matches!(m, Mode::Speculative(_)));
     Some(BestAtRtt {

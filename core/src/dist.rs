@@ -64,8 +64,7 @@ impl SparseDist {
     /// normalising them to sum to 1.
     pub(crate) fn from_weights(weights: Vec<(u32, f64)>) -> Self {
         let sum: f64 = weights.iter().map(|&(_, w)| w).sum();
-        let mut entries: Vec<(u32, f32)> =
-            weights.into_iter().map(|(t, w)| (t, (w / sum) as f32)).filter(|&(_, p)| p > 0.0).collect();
+        let mut entries: Vec<(u32, f32)> = weights.into_iter().map(|(t, w)| (t, (w / sum) as f32)).filter(|&(_, p)| p > 0.0).collect();
         entries.sort_unstable_by_key(|&(t, _)| t);
         let total = entries.iter().map(|&(_, p)| p as f64).sum();
         Self { entries, total }
@@ -143,10 +142,7 @@ mod tests {
         assert!(matches!(SparseDist::new(vec![(1, -0.5), (2, 1.5)], None), Err(DistError::InvalidProb { .. })));
         assert_eq!(SparseDist::new(vec![(3, 0.5), (3, 0.5)], None), Err(DistError::Duplicate { token: 3 }));
         assert!(matches!(SparseDist::new(vec![(1, 0.5), (2, 0.4)], None), Err(DistError::NotNormalized { .. })));
-        assert_eq!(
-            SparseDist::new(vec![(10, 1.0)], Some(10)),
-            Err(DistError::OutOfVocab { token: 10, vocab_size: 10 })
-        );
+        assert_eq!(SparseDist::new(vec![(10, 1.0)], Some(10)), Err(DistError::OutOfVocab { token: 10, vocab_size: 10 }));
     }
 
     #[test]

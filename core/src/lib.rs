@@ -22,5 +22,5 @@ pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};
 pub use metrics::{constant_time_eq, Histogram};
 pub use sampling::{distribution, SamplingError, SamplingParams};
-pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};
 pub use text::{IncrementalDecoder, StopMatcher, StopStep};
+pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};

@@ -89,7 +89,11 @@ fn a_wrong_rule_is_caught() {
     let wrong = |t: &[SparseDist], d: &[DraftToken], seed: u64| {
         let mut rng = rng_for(Stream::Verify, seed, 0);
         let (px, qx) = (t[0].prob(d[0].token), d[0].q.prob(d[0].token));
-        if rng.random::<f64>() * qx < px { d[0].token } else { t[0].sample(rng.random()) }
+        if rng.random::<f64>() * qx < px {
+            d[0].token
+        } else {
+            t[0].sample(rng.random())
+        }
     };
     let (_, p, q) = cases().swap_remove(6);
     let (p, q) = (dist(&p), dist(&q));
@@ -125,8 +129,7 @@ fn multi_round_sequences_have_the_target_joint_law() {
     }
     assert!(accepted_any > 0);
     let (p0, p1, p2) = (probs_of(&p[0], vocab), probs_of(&p[1], vocab), probs_of(&p[2], vocab));
-    let joint: Vec<f64> =
-        (0..vocab * vocab * vocab).map(|i| p0[i / (vocab * vocab)] * p1[(i / vocab) % vocab] * p2[i % vocab]).collect();
+    let joint: Vec<f64> = (0..vocab * vocab * vocab).map(|i| p0[i / (vocab * vocab)] * p1[(i / vocab) % vocab] * p2[i % vocab]).collect();
     assert_distributed_as(&counts, &joint, TRIALS, "joint of the first three tokens");
 }
 
@@ -140,8 +143,7 @@ fn same_input_same_answer() {
     for _ in 0..10 {
         assert_eq!(verify_block(&targets, &drafts, 42, 17).unwrap(), first);
     }
-    let outcomes: std::collections::HashSet<_> =
-        (0..200).map(|seed| verify_block(&targets, &drafts, seed, 17).unwrap()).collect();
+    let outcomes: std::collections::HashSet<_> = (0..200).map(|seed| verify_block(&targets, &drafts, seed, 17).unwrap()).collect();
     assert!(outcomes.len() > 1, "the seed must matter");
 }
 
@@ -150,14 +152,8 @@ fn malformed_blocks_are_typed_errors() {
     use spade_core::VerifyError;
     let p = dist(&[0.5, 0.5]);
     let q = dist(&[1.0, 0.0]);
-    assert_eq!(
-        verify_block(&[p.clone()], &[DraftToken { token: 0, q: q.clone() }], 0, 0),
-        Err(VerifyError::LengthMismatch { expected: 2, got: 1 })
-    );
-    assert_eq!(
-        verify_block(&[p.clone(), p.clone()], &[DraftToken { token: 1, q }], 0, 0),
-        Err(VerifyError::OutsideSupport { index: 0, token: 1 })
-    );
+    assert_eq!(verify_block(&[p.clone()], &[DraftToken { token: 0, q: q.clone() }], 0, 0), Err(VerifyError::LengthMismatch { expected: 2, got: 1 }));
+    assert_eq!(verify_block(&[p.clone(), p.clone()], &[DraftToken { token: 1, q }], 0, 0), Err(VerifyError::OutsideSupport { index: 0, token: 1 }));
     assert_eq!(verify_greedy(&[1, 2], &[]), Err(VerifyError::LengthMismatch { expected: 1, got: 2 }));
 }
 

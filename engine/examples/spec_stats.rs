@@ -79,7 +79,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let identical = spec_all.iter().zip(&ref_all).filter(|(a, b)| a.tokens == b.tokens).count();
     let mut per_pos = Vec::new();
     for i in 0..draft_len {
-        let (a, d): (usize, usize) = spec_all.iter().map(|g| (g.stats.accepted_at.get(i).copied().unwrap_or(0), g.stats.drafted_at.get(i).copied().unwrap_or(0))).fold((0, 0), |x, y| (x.0 + y.0, x.1 + y.1));
+        let (a, d): (usize, usize) = spec_all
+            .iter()
+            .map(|g| (g.stats.accepted_at.get(i).copied().unwrap_or(0), g.stats.drafted_at.get(i).copied().unwrap_or(0)))
+            .fold((0, 0), |x, y| (x.0 + y.0, x.1 + y.1));
         per_pos.push(format!("{:.2}", a as f64 / d.max(1) as f64));
     }
     let draft_secs: f64 = spec_all.iter().map(|g| g.stats.draft_time.as_secs_f64()).sum();
@@ -88,7 +91,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("acceptance rate: {:.3} ({acc}/{drafted}); per position: [{}]", acc as f64 / drafted.max(1) as f64, per_pos.join(", "));
     println!("tokens per target call: {:.2} (target-only: {:.2})", tokens as f64 / calls as f64, sum(&ref_all, |g| g.tokens.len()) as f64 / ref_calls as f64);
     println!("target calls: {calls} vs {ref_calls} target-only ({:.1}% fewer)", 100.0 * (1.0 - calls as f64 / ref_calls as f64));
-    println!("tokens/s: speculative {:.2}, target-only {:.2} (ratio {:.2})", tokens as f64 / spec_secs, sum(&ref_all, |g| g.tokens.len()) as f64 / ref_secs, (tokens as f64 / spec_secs) / (sum(&ref_all, |g| g.tokens.len()) as f64 / ref_secs));
+    println!(
+        "tokens/s: speculative {:.2}, target-only {:.2} (ratio {:.2})",
+        tokens as f64 / spec_secs,
+        sum(&ref_all, |g| g.tokens.len()) as f64 / ref_secs,
+        (tokens as f64 / spec_secs) / (sum(&ref_all, |g| g.tokens.len()) as f64 / ref_secs)
+    );
     println!("speculative time split: draft {draft_secs:.1}s, target {target_secs:.1}s");
     if temperature == 0.0 {
         println!("greedy identical to target-only: {identical}/{}", spec_all.len());

@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 
 use either::Either;
 use mistralrs::core::{
-    AutoDeviceMapParams, Constraint, DefaultSchedulerMethod, DeviceMapSetting, GGUFLoaderBuilder, GGUFSpecificConfig,
-    MistralRsBuilder, ModelDType, NormalRequest, Pipeline, Request, RequestMessage, Response, SchedulerConfig, TokenSource,
+    AutoDeviceMapParams, Constraint, DefaultSchedulerMethod, DeviceMapSetting, GGUFLoaderBuilder, GGUFSpecificConfig, MistralRsBuilder, ModelDType,
+    NormalRequest, Pipeline, Request, RequestMessage, Response, SchedulerConfig, TokenSource,
 };
 use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
 use rand::Rng;
@@ -326,13 +326,8 @@ impl Drafter for MistralDrafter {
         if self.over_budget() {
             self.maybe_reset(BUDGET_MIN_ROUNDS).await;
         }
-        let recorder = Arc::new(Recorder {
-            start: committed.len(),
-            n,
-            params: params.clone(),
-            drafts: Mutex::new(Vec::with_capacity(n)),
-            steps: Default::default(),
-        });
+        let recorder =
+            Arc::new(Recorder { start: committed.len(), n, params: params.clone(), drafts: Mutex::new(Vec::with_capacity(n)), steps: Default::default() });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         {
             let mut runner = self.runner.write().await;

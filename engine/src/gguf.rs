@@ -28,9 +28,7 @@ impl ModelSource {
             Some((repo, file)) if repo.split('/').count() == 2 && file.ends_with(".gguf") && !spec.starts_with('/') => {
                 Ok(Self::Hub { repo: repo.to_string(), file: file.to_string() })
             }
-            _ => Err(EngineError::ModelNotFound(format!(
-                "{spec} (give a path to a .gguf file, or owner/repo:file.gguf for the Hugging Face hub)"
-            ))),
+            _ => Err(EngineError::ModelNotFound(format!("{spec} (give a path to a .gguf file, or owner/repo:file.gguf for the Hugging Face hub)"))),
         }
     }
 
@@ -88,7 +86,10 @@ impl GgufFile {
 
     pub fn u32(&self, key: &str) -> Result<u32, EngineError> {
         let v = self.get(key)?;
-        v.to_u32().or_else(|_| v.to_u64().map(|x| x as u32)).or_else(|_| v.to_i32().map(|x| x as u32)).map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
+        v.to_u32()
+            .or_else(|_| v.to_u64().map(|x| x as u32))
+            .or_else(|_| v.to_i32().map(|x| x as u32))
+            .map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
     }
 
     pub fn f32(&self, key: &str) -> Result<f32, EngineError> {
@@ -146,7 +147,10 @@ pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<()
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint {
         return Err(EngineError::VocabMismatch(format!(
             "draft {} has tokenizer fingerprint {}, target {} has {}; speculative decoding needs one shared tokenizer",
-            draft.name, &draft.tokenizer_fingerprint[..12], target.name, &target.tokenizer_fingerprint[..12]
+            draft.name,
+            &draft.tokenizer_fingerprint[..12],
+            target.name,
+            &target.tokenizer_fingerprint[..12]
         )));
     }
     Ok(())

@@ -13,10 +13,13 @@ use spade_engine::speculative::{generate, GenerateParams};
 use spade_engine::{Drafter, MistralDrafter, Scorer};
 
 fn kl(p: &spade_core::SparseDist, q: &spade_core::SparseDist) -> f64 {
-    p.entries().iter().map(|&(t, _)| {
-        let (a, b) = (p.prob(t), q.prob(t).max(1e-12));
-        a * (a / b).ln()
-    }).sum()
+    p.entries()
+        .iter()
+        .map(|&(t, _)| {
+            let (a, b) = (p.prob(t), q.prob(t).max(1e-12));
+            a * (a / b).ln()
+        })
+        .sum()
 }
 
 /// Runs `rounds` speculative rounds with `warm` (normal prefix-cache use) and, on the same contexts,

@@ -52,10 +52,7 @@ async fn agrees_with_mistralrs_raw_logits() {
     for name in [TINY, DRAFT] {
         let scorer = scorer(name);
         let drafter = drafter(name, DrafterOptions::default()).await;
-        let toks = drafter
-            .encode_chat(&[("user".into(), "Write a haiku about the sea, then explain what a haiku is.".into())])
-            .await
-            .unwrap();
+        let toks = drafter.encode_chat(&[("user".into(), "Write a haiku about the sea, then explain what a haiku is.".into())]).await.unwrap();
         let ours = scorer.new_session().score(&toks, toks.len()).unwrap();
         let theirs = drafter.raw_logits(&toks).await.unwrap();
         let theirs = &theirs[theirs.len() - ours.len()..];

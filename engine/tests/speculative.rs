@@ -11,14 +11,7 @@ use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
 use spade_engine::{Drafter, EngineError, ModelMeta, Scorer};
 
 fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {
-    GenerateParams {
-        max_new_tokens,
-        draft_len,
-        sampling,
-        draft_sampling: sampling,
-        seed: 7,
-        stop_token_ids: meta.stop_token_ids.clone(),
-    }
+    GenerateParams { max_new_tokens, draft_len, sampling, draft_sampling: sampling, seed: 7, stop_token_ids: meta.stop_token_ids.clone() }
 }
 
 async fn run(drafter: Option<&dyn Drafter>, scorer: &dyn Scorer, prompt: &[u32], p: &GenerateParams) -> Generation {

@@ -56,7 +56,10 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
                         ("text", Some(t)) => text.push_str(t),
                         ("text", None) => return Err(ApiError::invalid(format!("messages[{i}].content[{j}].text"), "a text part needs `text`")),
                         (kind, _) => {
-                            return Err(refuse(&format!("messages[{i}].content[{j}].type"), &format!("content parts of type {kind:?} are not supported; only \"text\"")))
+                            return Err(refuse(
+                                &format!("messages[{i}].content[{j}].type"),
+                                &format!("content parts of type {kind:?} are not supported; only \"text\""),
+                            ))
                         }
                     }
                 }
@@ -70,10 +73,16 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
     }
     if req.presence_penalty.is_some_and(|p| p != 0.0) {
-        return Err(refuse("presence_penalty", "presence_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly"));
+        return Err(refuse(
+            "presence_penalty",
+            "presence_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly",
+        ));
     }
     if req.frequency_penalty.is_some_and(|p| p != 0.0) {
-        return Err(refuse("frequency_penalty", "frequency_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly"));
+        return Err(refuse(
+            "frequency_penalty",
+            "frequency_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly",
+        ));
     }
     if req.logit_bias.as_ref().is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty())) {
         return Err(refuse("logit_bias", "logit_bias is not supported"));
@@ -121,7 +130,9 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     }
     let top_logprobs = match (req.logprobs, req.top_logprobs) {
         (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true")),
-        (true, Some(n)) if n > MAX_TOP_LOGPROBS => return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"))),
+        (true, Some(n)) if n > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")))
+        }
         (true, n) => Some(n.unwrap_or(0)),
         (false, None) => None,
     };

@@ -92,7 +92,21 @@ impl<'a> Run<'a> {
         let record = GenerationRecord { degraded: !job.verify, ..Default::default() };
         let stops = StopMatcher::new(job.stops.clone());
         let seq = job.prompt.clone();
-        Self { state, job, events, started, seq, synced: 0, session_id, session_opened: false, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), record, began: None }
+        Self {
+            state,
+            job,
+            events,
+            started,
+            seq,
+            synced: 0,
+            session_id,
+            session_opened: false,
+            decoder: IncrementalDecoder::new(),
+            stops,
+            pending_logprobs: Vec::new(),
+            record,
+            began: None,
+        }
     }
 
     /// Some(finish) when done, None when the client went away.
@@ -242,7 +256,11 @@ impl<'a> Run<'a> {
     fn logprob_content(&self, model: &dyn EdgeModel, lp: &TokenLogprob) -> Result<TokenLogprobContent, ApiError> {
         let piece = |t: u32| -> Result<String, ApiError> { Ok(model.decode(&[t])?) };
         let token = piece(lp.token)?;
-        let top = lp.top.iter().map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob })).collect::<Result<_, ApiError>>()?;
+        let top = lp
+            .top
+            .iter()
+            .map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob }))
+            .collect::<Result<_, ApiError>>()?;
         Ok(TokenLogprobContent { bytes: Some(token.clone().into_bytes()), token, logprob: lp.logprob, top_logprobs: top })
     }
 }

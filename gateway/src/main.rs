@@ -75,7 +75,11 @@ async fn main() -> ExitCode {
         tracing::error!("server error: {e}");
         return ExitCode::from(1);
     }
-    if load.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if load.failed() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 fn drafter_vocab(drafter: &MistralDrafter) -> u32 {

@@ -10,8 +10,8 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use futures::{Stream, StreamExt};
 use rand::Rng;
 use spade_core::openai::{
-    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason,
-    Role, SpadeUsage, TokenLogprobContent, Usage,
+    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason, Role, SpadeUsage,
+    TokenLogprobContent, Usage,
 };
 use tokio::sync::mpsc;
 

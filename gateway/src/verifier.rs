@@ -72,12 +72,7 @@ impl VerifierClient {
 
     /// The verifier's model and tokenizer fingerprint (one attempt, short timeout: used by /health).
     pub async fn info(&self) -> Result<ModelInfo, CallError> {
-        let response = self
-            .request(reqwest::Method::GET, "/v1/info")
-            .timeout(INFO_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| CallError::Unreachable(describe(&e)))?;
+        let response = self.request(reqwest::Method::GET, "/v1/info").timeout(INFO_TIMEOUT).send().await.map_err(|e| CallError::Unreachable(describe(&e)))?;
         match response.status() {
             StatusCode::OK => response.json().await.map_err(|e| CallError::Rejected(format!("unreadable /v1/info: {e}"))),
             StatusCode::UNAUTHORIZED => Err(CallError::Rejected("the verifier refused the API key (--verifier-api-key)".into())),
@@ -113,22 +108,13 @@ impl VerifierClient {
                 Err(e) => last = describe(&e),
                 Ok(response) => {
                     let status = response.status();
-                    let retry_after = response
-                        .headers()
-                        .get(reqwest::header::RETRY_AFTER)
-                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-                        .map(Duration::from_secs);
+                    let retry_after =
+                        response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).map(Duration::from_secs);
                     match response.bytes().await {
                         Err(e) => last = describe(&e),
                         Ok(bytes) if status == StatusCode::OK => {
-                            let response = serde_json::from_slice(&bytes)
-                                .map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
-                            return Ok(Exchange {
-                                response,
-                                bytes_sent: body.len() as u64,
-                                bytes_received: bytes.len() as u64,
-                                latency: started.elapsed(),
-                            });
+                            let response = serde_json::from_slice(&bytes).map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
+                            return Ok(Exchange { response, bytes_sent: body.len() as u64, bytes_received: bytes.len() as u64, latency: started.elapsed() });
                         }
                         Ok(_) if status == StatusCode::CONFLICT => return Err(CallError::ResendContext),
                         Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() => {

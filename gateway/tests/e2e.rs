@@ -106,7 +106,12 @@ async fn verifier_killed_mid_stream_ends_with_an_error_or_degrades() {
             last == "[DONE]" && usage["usage"]["spade"]["degraded"] == true
         };
         let case = format!("verifier killed mid-stream, --offline-fallback {fallback}");
-        report("faults", &case, &format!("stream ended {} ms after the kill with: {}", started.elapsed().as_millis(), last.chars().take(160).collect::<String>()), pass);
+        report(
+            "faults",
+            &case,
+            &format!("stream ended {} ms after the kill with: {}", started.elapsed().as_millis(), last.chars().take(160).collect::<String>()),
+            pass,
+        );
         assert!(pass, "{text}");
     }
 }

@@ -6,11 +6,7 @@ fn checked_in_document_matches_the_code() {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../openapi/gateway.json");
     let checked_in = std::fs::read_to_string(&path).unwrap_or_default();
     let generated = spade_gateway::openapi::document();
-    assert!(
-        checked_in.trim_end() == generated.trim_end(),
-        "{} is stale: run `cargo run -p spade-gateway -- openapi > openapi/gateway.json`",
-        path.display()
-    );
+    assert!(checked_in.trim_end() == generated.trim_end(), "{} is stale: run `cargo run -p spade-gateway -- openapi > openapi/gateway.json`", path.display());
     let doc: serde_json::Value = serde_json::from_str(&generated).unwrap();
     for route in ["/v1/chat/completions", "/v1/models", "/health", "/metrics"] {
         assert!(doc["paths"].get(route).is_some(), "{route} missing from the document");

@@ -64,7 +64,14 @@ async fn bad_input_gets_openai_shaped_errors_from_both_servers() {
     all &= bad(gw, "wrong type (messages a string)", raw(g, chat, json(json!({"messages": "hi"}))), 400, None).await;
     all &= bad(gw, "wrong type (temperature a string)", raw(g, chat, user(json!({"temperature": "hot"}))), 400, None).await;
     all &= bad(gw, "NaN literal", raw(g, chat, b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"temperature\": NaN}".to_vec()), 400, None).await;
-    all &= bad(gw, "number out of range (1e999)", raw(g, chat, b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"top_p\": 1e999}".to_vec()), 400, None).await;
+    all &= bad(
+        gw,
+        "number out of range (1e999)",
+        raw(g, chat, b"{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"top_p\": 1e999}".to_vec()),
+        400,
+        None,
+    )
+    .await;
     all &= bad(gw, "unknown role", raw(g, chat, json(json!({"messages": [{"role": "wizard", "content": "hi"}]}))), 400, None).await;
     all &= bad(gw, "empty messages", raw(g, chat, json(json!({"messages": []}))), 400, Some("messages")).await;
     all &= bad(gw, "max_tokens 0", raw(g, chat, user(json!({"max_tokens": 0}))), 400, Some("max_tokens")).await;
@@ -76,7 +83,14 @@ async fn bad_input_gets_openai_shaped_errors_from_both_servers() {
     all &= bad(gw, "top_p 1.5", raw(g, chat, user(json!({"top_p": 1.5}))), 400, Some("top_p")).await;
     all &= bad(gw, "n 3", raw(g, chat, user(json!({"n": 3}))), 400, Some("n")).await;
     all &= bad(gw, "tools", raw(g, chat, user(json!({"tools": [{"type": "function", "function": {"name": "f"}}]}))), 400, Some("tools")).await;
-    all &= bad(gw, "prompt longer than the context", raw(g, chat, json(json!({"messages": [{"role": "user", "content": "word ".repeat(9000)}]}))), 400, Some("messages")).await;
+    all &= bad(
+        gw,
+        "prompt longer than the context",
+        raw(g, chat, json(json!({"messages": [{"role": "user", "content": "word ".repeat(9000)}]}))),
+        400,
+        Some("messages"),
+    )
+    .await;
     all &= bad(gw, "body over --max-body-bytes", raw(g, chat, json(json!({"messages": [{"role": "user", "content": "x".repeat(70_000)}]}))), 413, None).await;
 
     let v = verifier.url.as_str();
@@ -87,14 +101,42 @@ async fn bad_input_gets_openai_shaped_errors_from_both_servers() {
     all &= bad(vf, "invalid UTF-8", verify(b"{\"context\": [1], \"session_id\": \"\xff\"}".to_vec()), 400, None).await;
     all &= bad(vf, "unknown field", verify(json(json!({"context": ctx, "sampling": {}, "contxt": 1}))), 400, None).await;
     all &= bad(vf, "token id outside the vocabulary", verify(json(json!({"context": [1, 99_999_999], "sampling": {}}))), 400, Some("context")).await;
-    all &= bad(vf, "draft token outside the vocabulary", verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 99_999_999, "q": [[99_999_999, 1.0]]}]}))), 400, Some("draft[0].token")).await;
-    all &= bad(vf, "q does not sum to 1", verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 5, "q": [[5, 0.3], [6, 0.3]]}]}))), 400, Some("draft[0].q")).await;
-    all &= bad(vf, "q with a negative probability", verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 5, "q": [[5, 1.5], [6, -0.5]]}]}))), 400, Some("draft[0].q")).await;
+    all &= bad(
+        vf,
+        "draft token outside the vocabulary",
+        verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 99_999_999, "q": [[99_999_999, 1.0]]}]}))),
+        400,
+        Some("draft[0].token"),
+    )
+    .await;
+    all &= bad(
+        vf,
+        "q does not sum to 1",
+        verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 5, "q": [[5, 0.3], [6, 0.3]]}]}))),
+        400,
+        Some("draft[0].q"),
+    )
+    .await;
+    all &= bad(
+        vf,
+        "q with a negative probability",
+        verify(json(json!({"context": ctx, "sampling": {}, "draft": [{"token": 5, "q": [[5, 1.5], [6, -0.5]]}]}))),
+        400,
+        Some("draft[0].q"),
+    )
+    .await;
     all &= bad(vf, "NaN in q", verify(b"{\"context\": [1], \"sampling\": {}, \"draft\": [{\"token\": 5, \"q\": [[5, NaN]]}]}".to_vec()), 400, None).await;
     all &= bad(vf, "temperature 3", verify(json(json!({"context": ctx, "sampling": {"temperature": 3}}))), 400, Some("sampling.temperature")).await;
     all &= bad(vf, "empty context", verify(json(json!({"context": [], "sampling": {}}))), 400, Some("context")).await;
     all &= bad(vf, "context longer than the model's maximum", verify(json(json!({"context": vec![1; 9000], "sampling": {}}))), 400, Some("context")).await;
-    all &= bad(vf, "delta for an unknown session", verify(json(json!({"session_id": "nope", "context": [1], "context_start": 5, "sampling": {}}))), 409, Some("context_start")).await;
+    all &= bad(
+        vf,
+        "delta for an unknown session",
+        verify(json(json!({"session_id": "nope", "context": [1], "context_start": 5, "sampling": {}}))),
+        409,
+        Some("context_start"),
+    )
+    .await;
     assert!(all, "some bad-input cases failed: see the [FAIL] lines");
 
     // Still serving after all that.
@@ -113,7 +155,12 @@ async fn verifier_down_at_start_then_up() {
     report("faults", "verifier down at gateway start: /health", &format!("{status} {}", body["status"]), pass);
     assert!(pass);
     let started = Instant::now();
-    let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", gateway.url)).json(&request(PROMPTS[0], 8, json!({"stream": true}))).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", gateway.url))
+        .json(&request(PROMPTS[0], 8, json!({"stream": true})))
+        .send()
+        .await
+        .unwrap();
     let (status, retry) = (r.status().as_u16(), r.headers().get("x-should-retry").map(|v| v.to_str().unwrap().to_string()));
     let pass = status == 503 && retry.as_deref() == Some("false") && started.elapsed() < Duration::from_secs(10);
     report("faults", "verifier down at gateway start: a request", &format!("{status}, x-should-retry {retry:?}, {} ms", started.elapsed().as_millis()), pass);
@@ -136,7 +183,12 @@ async fn slow_verifier_times_out_instead_of_hanging() {
     let (status, body) = post(&gateway.url, &request(PROMPTS[0], 8, json!({}))).await;
     let elapsed = started.elapsed();
     let pass = status == 503 && body["error"]["code"] == "verifier_unavailable" && elapsed < Duration::from_secs(8);
-    report("faults", "verifier slow (2.4 s RTT, --verify-timeout-secs 1, 1 retry)", &format!("{status} {} after {} ms: {}", body["error"]["code"], elapsed.as_millis(), body["error"]["message"]), pass);
+    report(
+        "faults",
+        "verifier slow (2.4 s RTT, --verify-timeout-secs 1, 1 retry)",
+        &format!("{status} {} after {} ms: {}", body["error"]["code"], elapsed.as_millis(), body["error"]["message"]),
+        pass,
+    );
     assert!(pass, "{body}");
 }
 
@@ -297,7 +349,12 @@ async fn keys_are_enforced_and_never_logged() {
     let metrics = status(client.get(format!("{v}/metrics")).send().await.unwrap());
     let open = status(client.get(format!("{v}/health")).send().await.unwrap());
     let pass = no_key == 401 && wrong == 401 && metrics == 401 && open == 200;
-    report("security", "verifier: /verify without or with a wrong bearer token, /metrics without", &format!("{no_key}, {wrong}, {metrics}; /health {open}"), pass);
+    report(
+        "security",
+        "verifier: /verify without or with a wrong bearer token, /metrics without",
+        &format!("{no_key}, {wrong}, {metrics}; /health {open}"),
+        pass,
+    );
     assert!(pass);
 
     let g = &gateway.url;
@@ -323,8 +380,14 @@ async fn gateway_binds_loopback_by_default() {
     // /proc/net/tcp lists listening sockets as hex local addresses; 0100007F is 127.0.0.1.
     let port = format!(":{:04X}", gateway.port);
     let tables = std::fs::read_to_string("/proc/net/tcp").unwrap() + &std::fs::read_to_string("/proc/net/tcp6").unwrap_or_default();
-    let listening: Vec<&str> = tables.lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|a| a.ends_with(&port)) && l.split_whitespace().nth(3) == Some("0A")).collect();
+    let listening: Vec<&str> =
+        tables.lines().filter(|l| l.split_whitespace().nth(1).is_some_and(|a| a.ends_with(&port)) && l.split_whitespace().nth(3) == Some("0A")).collect();
     let loopback_only = !listening.is_empty() && listening.iter().all(|l| l.split_whitespace().nth(1).is_some_and(|a| a.starts_with("0100007F")));
-    report("security", "gateway binds 127.0.0.1 unless told otherwise", &format!("{} listening socket(s), loopback only: {loopback_only}", listening.len()), loopback_only);
+    report(
+        "security",
+        "gateway binds 127.0.0.1 unless told otherwise",
+        &format!("{} listening socket(s), loopback only: {loopback_only}", listening.len()),
+        loopback_only,
+    );
     assert!(loopback_only, "{listening:?}");
 }

@@ -108,7 +108,8 @@ async fn stop_sequences_spanning_tokens_are_never_sent() {
     let verifier = start_verifier(FakeScorer::new(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "2"]).await;
     // "wörld" spans six byte tokens and several rounds; "🎉" is four bytes of one character.
-    for (stop, expected) in [(json!("wörld"), "Héllo "), (json!(["xyz", "🎉"]), "Héllo wörld! "), (json!(["of the", "END"]), "Héllo wörld! 🎉 日本語 ")] {
+    for (stop, expected) in [(json!("wörld"), "Héllo "), (json!(["xyz", "🎉"]), "Héllo wörld! "), (json!(["of the", "END"]), "Héllo wörld! 🎉 日本語 ")]
+    {
         let (_, _, body) = chat(&gateway.url, hello(json!({"stream": true, "stop": stop}))).await;
         let (text, finish, _) = read_stream(&body);
         assert_eq!(text, expected, "stop {stop}");
@@ -341,4 +342,3 @@ async fn wrong_verifier_key_is_a_502_not_a_hang() {
     assert_eq!(status, 502, "{body}");
     assert_eq!(headers["x-should-retry"], "false");
 }
-

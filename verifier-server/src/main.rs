@@ -53,5 +53,9 @@ async fn main() -> ExitCode {
         tracing::error!("server error: {e}");
         return ExitCode::from(1);
     }
-    if load.failed() { ExitCode::from(1) } else { ExitCode::SUCCESS }
+    if load.failed() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }

@@ -59,10 +59,8 @@ impl SessionStore {
         let mut inner = self.lock();
         inner.clock += 1;
         let now = inner.clock;
-        let slot = inner
-            .slots
-            .entry(id.to_string())
-            .or_insert_with(|| Slot { session: Arc::new(AsyncMutex::new(make())), last_used: now, bytes: MIN_SESSION_BYTES });
+        let slot =
+            inner.slots.entry(id.to_string()).or_insert_with(|| Slot { session: Arc::new(AsyncMutex::new(make())), last_used: now, bytes: MIN_SESSION_BYTES });
         slot.last_used = now;
         slot.session.clone()
     }

@@ -39,12 +39,7 @@ impl Verifier {
             sessions: SessionStore::new(config.cache_budget_mb * 1024 * 1024),
             admission: Admission::new(config.workers, config.queue_size),
             metrics: Metrics::default(),
-            limits: Limits {
-                max_draft: config.max_draft,
-                max_top_logprobs: 20,
-                max_body_bytes: config.max_body_bytes,
-                max_session_id_len: 256,
-            },
+            limits: Limits { max_draft: config.max_draft, max_top_logprobs: 20, max_body_bytes: config.max_body_bytes, max_session_id_len: 256 },
             api_key: config.api_key.clone().filter(|k| !k.is_empty()),
         }
     }

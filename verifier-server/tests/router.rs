@@ -37,10 +37,7 @@ impl ScoreSession for FakeSession {
             std::thread::sleep(Duration::from_millis(300));
         }
         self.tokens = tokens.to_vec();
-        Ok(tokens[tokens.len() - n_logits..]
-            .iter()
-            .map(|&t| (0..VOCAB).map(|j| -((j as f32 - next_of(t) as f32).abs())).collect())
-            .collect())
+        Ok(tokens[tokens.len() - n_logits..].iter().map(|&t| (0..VOCAB).map(|j| -((j as f32 - next_of(t) as f32).abs())).collect()).collect())
     }
     fn cached_tokens(&self) -> &[u32] {
         &self.tokens
@@ -236,7 +233,7 @@ async fn sessions_append_and_ask_for_a_resend_when_lost() {
     body["session_id"] = json!("s1");
     let (_, v) = verify(&st, body).await;
     assert_eq!(v["session_len"], 5); // 3 1 8 25 16
-    // Only the new drafts: the verifier already holds the context.
+                                     // Only the new drafts: the verifier already holds the context.
     let mut next = greedy(&[], &[next_of(16)]);
     next["session_id"] = json!("s1");
     next["context_start"] = json!(5);
@@ -295,7 +292,10 @@ async fn oversized_bodies_are_413() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_answers_429_with_retry_after() {
     let st = state(&["--queue-size", "0", "--workers", "1"], true);
-    let slow = { let st = st.clone(); tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await }) };
+    let slow = {
+        let st = st.clone();
+        tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await })
+    };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let (s, v, headers) = call(&st, "POST", "/verify", Some("sekret"), Some(greedy(&[1], &[]).to_string())).await;
     assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);

@@ -131,7 +131,11 @@ impl Args {
     }
 
     fn command(&self) -> String {
-        self.reported_command.as_deref().map(str::trim).map(String::from).unwrap_or_else(|| std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" "))
+        self.reported_command
+            .as_deref()
+            .map(str::trim)
+            .map(String::from)
+            .unwrap_or_else(|| std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" "))
     }
 }
 
@@ -263,7 +267,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let error = outcome.err().map(|e| format!("{e:#}"));
     let results = std::mem::take(&mut runner.results);
     drop(runner); // stops the verifier and the proxy
-    // The run's links to the server binaries were only needed while it ran.
+                  // The run's links to the server binaries were only needed while it ran.
     let _ = std::fs::remove_dir_all(out.join("bin"));
 
     let timing_ids: HashSet<String> = plan.timing.iter().map(|&i| plan.prompts[i].id.clone()).collect();

@@ -62,12 +62,7 @@ fn percentage(s: &str) -> Result<f64, String> {
 
 impl Args {
     fn link(&self) -> LinkConfig {
-        LinkConfig {
-            rtt: Duration::from_millis(self.rtt_ms),
-            jitter: Duration::from_millis(self.jitter_ms),
-            loss: self.loss_pct / 100.0,
-            seed: self.seed,
-        }
+        LinkConfig { rtt: Duration::from_millis(self.rtt_ms), jitter: Duration::from_millis(self.jitter_ms), loss: self.loss_pct / 100.0, seed: self.seed }
     }
 }
 

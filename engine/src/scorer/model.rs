@@ -121,7 +121,11 @@ impl Loader<'_> {
     }
 
     fn optional_vector(&mut self, name: &str) -> Result<Option<Vec<f32>>, EngineError> {
-        if self.has(name) { self.vector(name).map(Some) } else { Ok(None) }
+        if self.has(name) {
+            self.vector(name).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 }
 
@@ -149,9 +153,7 @@ impl Transformer {
         let mut ld = Loader { gguf };
         // Llama 3.1 rope scaling is stored by llama.cpp as per-pair frequency divisors.
         let factors = ld.optional_vector("rope_freqs.weight")?;
-        let inv_freq = (0..rope_dim / 2)
-            .map(|i| theta.powf(-((2 * i) as f64) / rope_dim as f64) / factors.as_ref().map_or(1.0, |f| f[i] as f64))
-            .collect();
+        let inv_freq = (0..rope_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / rope_dim as f64) / factors.as_ref().map_or(1.0, |f| f[i] as f64)).collect();
         let cfg = Config { n_layers, hidden, n_heads, n_kv_heads, head_dim, rope_dim, rope_style, inv_freq, eps };
 
         let mut layers = Vec::with_capacity(n_layers);

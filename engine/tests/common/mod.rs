@@ -11,9 +11,7 @@ pub const DRAFT: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 pub const TARGET: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
 pub fn model_path(name: &str) -> PathBuf {
-    let dir = std::env::var_os("SPADE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
     let path = dir.join(name);
     assert!(path.is_file(), "{} is missing: run scripts/fetch-models.sh first", path.display());
     path
