@@ -21,6 +21,7 @@ bash scripts/fetch-models.sh pair
 
 command -v cargo >/dev/null || { echo "bench: cargo is required (install a Rust toolchain >= 1.90)" >&2; exit 1; }
 echo "bench: building (the first build compiles mistral.rs: about 20 minutes on 2 cores)"
+bash scripts/patch-crates.sh
 cargo build --workspace --locked --bins
 
 # Before the long run, so a missing plotting library is found early. The plot is not worth failing

@@ -53,6 +53,7 @@ for port in "$gport" "$vport"; do
   fi
 done
 echo "quickstart: building (the first build compiles mistral.rs: about 20 minutes on 2 cores)"
+bash scripts/patch-crates.sh
 cargo build --workspace --locked --bins
 bin="$CARGO_TARGET_DIR/debug"
 

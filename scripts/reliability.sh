@@ -16,6 +16,7 @@ trap 'kill $(jobs -p) 2>/dev/null; rm -rf "$work"' EXIT
 mkdir -p "$out"
 
 bash scripts/fetch-models.sh tiny || exit 1
+bash scripts/patch-crates.sh || exit 1
 cargo build --workspace --locked || exit 1
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -c 'import schemathesis' 2>/dev/null || "$venv/bin/pip" install -q "schemathesis==4.32.5" || exit 1

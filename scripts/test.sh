@@ -4,7 +4,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# The same target folder as scripts/quickstart.sh: after it, the tests compile only what they add.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/spade/target}"
 bash scripts/fetch-models.sh all
+bash scripts/patch-crates.sh
 # Real-model tests are CPU-heavy; two at a time keeps a 2-core machine responsive.
 cargo test --workspace --locked -- --test-threads "${SPADE_TEST_THREADS:-2}" "$@"
 # The quickstart stack driven by the official openai package and curl -N.
