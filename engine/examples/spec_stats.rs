@@ -86,7 +86,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         per_pos.push(format!("{:.2}", a as f64 / d.max(1) as f64));
     }
     let draft_secs: f64 = spec_all.iter().map(|g| g.stats.draft_time.as_secs_f64()).sum();
-    let target_secs: f64 = spec_all.iter().map(|g| g.stats.target_time.as_secs_f64()).sum();
+    let target_secs: f64 = spec_all.iter().map(|g| g.stats.verify_time.as_secs_f64()).sum();
     println!();
     println!("acceptance rate: {:.3} ({acc}/{drafted}); per position: [{}]", acc as f64 / drafted.max(1) as f64, per_pos.join(", "));
     println!("tokens per target call: {:.2} (target-only: {:.2})", tokens as f64 / calls as f64, sum(&ref_all, |g| g.tokens.len()) as f64 / ref_calls as f64);

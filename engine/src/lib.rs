@@ -39,6 +39,13 @@ pub trait Drafter: Send + Sync {
 
     /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
+
+    /// Makes drafting after `context` cheap (its KV rows cached) without proposing anything. The loop
+    /// runs it while the verifier prefills the same prompt. By default: a one-token draft, discarded
+    /// (a prefill and one sampling step; draft randomness is keyed by position, so nothing shifts).
+    async fn prefill(&self, context: &[u32], params: &DraftParams) -> Result<(), EngineError> {
+        self.draft(context, 1, params).await.map(|_| ())
+    }
 }
 
 /// The edge model as the gateway sees it: a drafter that also owns the chat template and tokenizer.

@@ -1,44 +1,303 @@
-//! The speculative loop, in-process: draft d tokens, score them in one target pass, apply the rule,
-//! commit at least one token per round, repeat until a stop token or the token budget.
+//! The speculative loop: draft a block, verify it, commit at least one token per round, repeat until a
+//! stop token, the sink says stop, or the token budget runs out.
+//!
+//! One loop serves the in-process runner (tests, examples) and the gateway. They differ only in how a
+//! block is verified ([`BlockVerifier`]: in-process over a scorer session, or over HTTP) and in what
+//! happens to committed tokens ([`TokenSink`]: collected, or decoded and streamed). Cancellation is by
+//! dropping the future: every await point is a draft or a verify call that may be abandoned.
 
 use std::time::{Duration, Instant};
 
-use spade_core::SamplingParams;
+use spade_core::protocol::TokenLogprob;
+use spade_core::{DraftToken, SamplingParams};
 
 use crate::drafter::DraftParams;
 use crate::round::verify_round;
 use crate::{Drafter, EngineError, ScoreSession};
 
-#[derive(Debug, Clone)]
-pub struct GenerateParams {
-    pub max_new_tokens: usize,
-    /// Draft tokens per round; 0 = target-only decoding.
-    pub draft_len: usize,
-    /// Defines the target's p: the output's distribution.
-    pub sampling: SamplingParams,
-    /// How the draft samples its q (any choice is lossless).
-    pub draft_sampling: SamplingParams,
-    pub seed: u64,
-    pub stop_token_ids: Vec<u32>,
+/// Verifies a drafted block proposed after `context` (prompt and committed tokens).
+#[async_trait::async_trait]
+pub trait BlockVerifier: Send {
+    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure>;
+}
+
+/// What one verified block commits.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Verified {
+    pub accepted: usize,
+    /// The accepted drafts followed by the correction or bonus token.
+    pub committed: Vec<u32>,
+    /// Target log-probabilities of the committed tokens; empty unless asked for.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum VerifyFailure {
+    /// No usable answer after the verifier's own retries: the loop may go on with the draft alone.
+    #[error("{0}")]
+    Unreachable(String),
+    /// A definite refusal or an answer that cannot be used.
+    #[error("{0}")]
+    Rejected(String),
+}
+
+/// Receives each committed token, in order.
+#[async_trait::async_trait]
+pub trait TokenSink: Send {
+    async fn commit(&mut self, token: u32, logprob: Option<&TokenLogprob>) -> Result<Flow, EngineError>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
+pub enum Flow {
+    Continue,
+    /// The sink has what it needs (a stop sequence completed).
     Stop,
+}
+
+/// What the loop does when the verifier cannot be reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WhenUnreachable {
+    Fail,
+    /// Go on with the draft model alone; the output is then the draft's, flagged as degraded.
+    DraftAlone,
+}
+
+#[derive(Debug, Clone)]
+pub struct LoopParams {
+    pub max_new_tokens: usize,
+    /// Draft tokens per round; 0 = target-only decoding.
+    pub draft_len: usize,
+    /// How the draft samples its q (any choice is lossless).
+    pub draft: DraftParams,
+    pub stop_token_ids: Vec<u32>,
+    pub when_unreachable: WhenUnreachable,
+    /// Start on the draft model alone (the verifier was already known to be down).
+    pub start_degraded: bool,
+}
+
+/// Tokens per draft call once the draft model answers alone: it is not waiting on anyone.
+pub const DEGRADED_BLOCK: usize = 16;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token was committed (it is the last token).
+    StopToken,
+    /// The sink asked to stop.
+    Sink,
+    /// The token budget ran out.
     Length,
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct LoopStats {
-    /// Target forward passes (one per round).
+    /// Verified blocks (target forward passes).
     pub target_calls: usize,
     pub drafted: usize,
     pub accepted: usize,
-    /// accepted_at[i]: rounds in which draft position i was accepted; drafted_at[i]: rounds that drafted it.
+    /// accepted_at[i]: blocks in which draft position i was accepted; drafted_at[i]: blocks that drafted it.
     pub accepted_at: Vec<usize>,
     pub drafted_at: Vec<usize>,
+    pub committed: usize,
     pub draft_time: Duration,
-    pub target_time: Duration,
+    pub verify_time: Duration,
+    /// The draft model answered alone for at least part of the generation.
+    pub degraded: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoopError {
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Verifier(#[from] VerifyFailure),
+}
+
+#[derive(Debug, Clone)]
+pub struct LoopEnd {
+    pub finish: Finish,
+    pub stats: LoopStats,
+}
+
+/// Runs one generation after `prompt`. Without a drafter (or with `draft_len` 0) this is plain target
+/// decoding through the same verifier: the reference the speculative output is compared with.
+///
+/// The first block is always verified empty: the verifier prefills the prompt and commits the first
+/// token while the draft model prefills the same prompt, so the two prefills overlap instead of adding
+/// up, and the first token is committed as soon as the verifier has it.
+pub async fn run(
+    drafter: Option<&dyn Drafter>,
+    verifier: &mut dyn BlockVerifier,
+    prompt: &[u32],
+    params: &LoopParams,
+    sink: &mut dyn TokenSink,
+) -> Result<LoopEnd, LoopError> {
+    let stats = LoopStats { degraded: params.start_degraded, ..Default::default() };
+    let mut state = Loop { seq: prompt.to_vec(), stats, params, sink, can_draft_alone: drafter.is_some() };
+    let drafting = drafter.filter(|_| params.draft_len > 0);
+    if let (Some(drafter), false) = (drafting, params.start_degraded) {
+        let context = prompt.to_vec();
+        let first = state.verified_round(verifier, &[]);
+        let warm = async {
+            let started = Instant::now();
+            let warmed = drafter.prefill(&context, &params.draft).await;
+            (warmed, started.elapsed())
+        };
+        let (first, (warmed, warm_time)) = tokio::join!(first, warm);
+        state.stats.draft_time += warm_time;
+        // A failed prefill only costs speed; the next draft call reports a real failure.
+        if let Err(e) = warmed {
+            tracing::debug!("draft prefill failed: {e}");
+        }
+        if let Some(finish) = first? {
+            return Ok(state.end(finish));
+        }
+    }
+    while state.stats.committed < params.max_new_tokens {
+        let remaining = params.max_new_tokens - state.stats.committed;
+        let finish = match drafter {
+            Some(drafter) if state.stats.degraded => state.draft_alone_round(drafter, remaining).await?,
+            _ => {
+                // A block commits at most d + 1 tokens: never draft past the budget.
+                let d = if drafting.is_some() { params.draft_len.min(remaining - 1) } else { 0 };
+                let drafts = match drafting {
+                    Some(drafter) if d > 0 => {
+                        let started = Instant::now();
+                        let drafts = drafter.draft(&state.seq, d, &params.draft).await?;
+                        state.stats.draft_time += started.elapsed();
+                        drafts
+                    }
+                    _ => Vec::new(),
+                };
+                state.verified_round(verifier, &drafts).await?
+            }
+        };
+        if let Some(finish) = finish {
+            return Ok(state.end(finish));
+        }
+    }
+    Ok(state.end(Finish::Length))
+}
+
+struct Loop<'a> {
+    seq: Vec<u32>,
+    stats: LoopStats,
+    params: &'a LoopParams,
+    sink: &'a mut dyn TokenSink,
+    can_draft_alone: bool,
+}
+
+impl Loop<'_> {
+    /// Verifies `drafts` and commits the outcome; on an unreachable verifier either fails or switches
+    /// to drafting alone. Some(finish) when the generation is over.
+    async fn verified_round(&mut self, verifier: &mut dyn BlockVerifier, drafts: &[DraftToken]) -> Result<Option<Finish>, LoopError> {
+        let started = Instant::now();
+        let verified = match verifier.verify(&self.seq, drafts).await {
+            Ok(v) => v,
+            Err(VerifyFailure::Unreachable(e)) if self.params.when_unreachable == WhenUnreachable::DraftAlone && self.can_draft_alone => {
+                tracing::warn!("verifier unreachable ({e}); continuing with the draft model alone");
+                self.stats.degraded = true;
+                return Ok(None);
+            }
+            Err(e) => return Err(e.into()),
+        };
+        self.stats.verify_time += started.elapsed();
+        if verified.accepted > drafts.len() || verified.committed.len() != verified.accepted + 1 {
+            return Err(VerifyFailure::Rejected(format!(
+                "{} committed tokens for {} accepted of {} drafts",
+                verified.committed.len(),
+                verified.accepted,
+                drafts.len()
+            ))
+            .into());
+        }
+        self.stats.target_calls += 1;
+        self.stats.drafted += drafts.len();
+        self.stats.accepted += verified.accepted;
+        if self.stats.drafted_at.len() < drafts.len() {
+            self.stats.drafted_at.resize(drafts.len(), 0);
+            self.stats.accepted_at.resize(drafts.len(), 0);
+        }
+        for i in 0..drafts.len() {
+            self.stats.drafted_at[i] += 1;
+            self.stats.accepted_at[i] += usize::from(i < verified.accepted);
+        }
+        self.commit_all(&verified.committed, &verified.logprobs).await
+    }
+
+    async fn draft_alone_round(&mut self, drafter: &dyn Drafter, remaining: usize) -> Result<Option<Finish>, LoopError> {
+        let d = DEGRADED_BLOCK.max(self.params.draft_len).min(remaining);
+        let started = Instant::now();
+        let drafts = drafter.draft(&self.seq, d, &self.params.draft).await?;
+        self.stats.draft_time += started.elapsed();
+        if drafts.is_empty() {
+            return Err(EngineError::Drafter("the draft model proposed nothing".into()).into());
+        }
+        let tokens: Vec<u32> = drafts.iter().map(|d| d.token).collect();
+        self.commit_all(&tokens, &[]).await
+    }
+
+    async fn commit_all(&mut self, tokens: &[u32], logprobs: &[TokenLogprob]) -> Result<Option<Finish>, LoopError> {
+        for (i, &token) in tokens.iter().enumerate() {
+            self.seq.push(token);
+            self.stats.committed += 1;
+            let flow = self.sink.commit(token, logprobs.get(i)).await?;
+            if self.params.stop_token_ids.contains(&token) {
+                return Ok(Some(Finish::StopToken));
+            }
+            if flow == Flow::Stop {
+                return Ok(Some(Finish::Sink));
+            }
+            if self.stats.committed == self.params.max_new_tokens {
+                return Ok(Some(Finish::Length));
+            }
+        }
+        Ok(None)
+    }
+
+    fn end(self, finish: Finish) -> LoopEnd {
+        LoopEnd { finish, stats: self.stats }
+    }
+}
+
+/// Verifies in-process: one scorer session, the rule applied by [`verify_round`] (the same code the
+/// verifier server runs).
+pub struct LocalVerifier<'a> {
+    pub session: &'a mut dyn ScoreSession,
+    pub sampling: SamplingParams,
+    pub seed: u64,
+    pub top_logprobs: Option<usize>,
+}
+
+#[async_trait::async_trait]
+impl BlockVerifier for LocalVerifier<'_> {
+    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+        let round = verify_round(self.session, context, drafts, &self.sampling, self.seed, self.top_logprobs)
+            .map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
+        Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs })
+    }
+}
+
+/// Collects the committed tokens.
+#[derive(Debug, Default)]
+pub struct Collect(pub Vec<u32>);
+
+#[async_trait::async_trait]
+impl TokenSink for Collect {
+    async fn commit(&mut self, token: u32, _: Option<&TokenLogprob>) -> Result<Flow, EngineError> {
+        self.0.push(token);
+        Ok(Flow::Continue)
+    }
+}
+
+/// In-process generation parameters: the target's sampling defines the output distribution.
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub max_new_tokens: usize,
+    pub draft_len: usize,
+    pub sampling: SamplingParams,
+    pub draft_sampling: SamplingParams,
+    pub seed: u64,
+    pub stop_token_ids: Vec<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -48,66 +307,137 @@ pub struct Generation {
     pub stats: LoopStats,
 }
 
-/// Generates after `prompt`. With `draft_len` 0 (or no drafter) this is plain target decoding through
-/// the same scorer, which is the reference the speculative output is compared with.
+/// The loop in-process, on a fresh draft cache (so that a seeded run reproduces).
 pub async fn generate(
     drafter: Option<&dyn Drafter>,
     target: &mut dyn ScoreSession,
     prompt: &[u32],
     params: &GenerateParams,
-) -> Result<Generation, EngineError> {
-    params.sampling.validate()?;
+) -> Result<Generation, LoopError> {
+    params.sampling.validate().map_err(EngineError::from)?;
     if let Some(drafter) = drafter {
         drafter.begin_generation(true).await;
     }
-    let result = run_loop(drafter, target, prompt, params).await;
+    let loop_params = LoopParams {
+        max_new_tokens: params.max_new_tokens,
+        draft_len: params.draft_len,
+        draft: DraftParams { sampling: params.draft_sampling, seed: params.seed },
+        stop_token_ids: params.stop_token_ids.clone(),
+        when_unreachable: WhenUnreachable::Fail,
+        start_degraded: false,
+    };
+    let mut verifier = LocalVerifier { session: target, sampling: params.sampling, seed: params.seed, top_logprobs: None };
+    let mut tokens = Collect::default();
+    let end = run(drafter, &mut verifier, prompt, &loop_params, &mut tokens).await;
     if let Some(drafter) = drafter {
         drafter.end_generation();
     }
-    result
+    let end = end?;
+    Ok(Generation { tokens: tokens.0, finish: end.finish, stats: end.stats })
 }
 
-async fn run_loop(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSession, prompt: &[u32], params: &GenerateParams) -> Result<Generation, EngineError> {
-    let mut seq = prompt.to_vec();
-    let mut out = Vec::new();
-    let mut stats = LoopStats::default();
-    let draft_params = DraftParams { sampling: params.draft_sampling, seed: params.seed };
-    while out.len() < params.max_new_tokens {
-        // A round commits at most d + 1 tokens: never draft past the budget.
-        let remaining = params.max_new_tokens - out.len();
-        let d = if drafter.is_some() { params.draft_len.min(remaining - 1) } else { 0 };
-        let t0 = Instant::now();
-        let drafts = match drafter {
-            Some(drafter) if d > 0 => drafter.draft(&seq, d, &draft_params).await?,
-            _ => Vec::new(),
-        };
-        stats.draft_time += t0.elapsed();
+#[cfg(test)]
+mod tests {
+    //! The loop's own control flow, with a scripted drafter and verifier (model behaviour is covered by
+    //! the real-model tests in tests/).
+    use super::*;
+    use crate::ModelMeta;
+    use spade_core::SparseDist;
 
-        let t1 = Instant::now();
-        let round = verify_round(target, &seq, &drafts, &params.sampling, params.seed, None)?;
-        stats.target_time += t1.elapsed();
-        stats.target_calls += 1;
-        let outcome = round.outcome;
-        stats.drafted += drafts.len();
-        stats.accepted += outcome.accepted;
-        if stats.drafted_at.len() < drafts.len() {
-            stats.drafted_at.resize(drafts.len(), 0);
-            stats.accepted_at.resize(drafts.len(), 0);
+    /// Proposes ascending ids from the context length on: drafts at position i are always `i`.
+    struct Counting(ModelMeta);
+
+    #[async_trait::async_trait]
+    impl Drafter for Counting {
+        fn meta(&self) -> &ModelMeta {
+            &self.0
         }
-        for i in 0..drafts.len() {
-            stats.drafted_at[i] += 1;
-            stats.accepted_at[i] += usize::from(i < outcome.accepted);
-        }
-        for token in round.committed {
-            seq.push(token);
-            out.push(token);
-            if params.stop_token_ids.contains(&token) {
-                return Ok(Generation { tokens: out, finish: Finish::Stop, stats });
-            }
-            if out.len() == params.max_new_tokens {
-                break;
-            }
+        async fn draft(&self, committed: &[u32], n: usize, _: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+            let start = committed.len() as u32;
+            Ok((start..start + n as u32).map(|t| DraftToken { token: t, q: SparseDist::new(vec![(t, 1.0)], None).unwrap() }).collect())
         }
     }
-    Ok(Generation { tokens: out, finish: Finish::Length, stats })
+
+    /// Accepts `accept` drafts per block and commits the position as the next token; `unreachable`
+    /// fails every call after the first `ok_calls`.
+    struct Scripted {
+        accept: usize,
+        ok_calls: usize,
+        calls: usize,
+        blocks: Vec<usize>,
+    }
+
+    #[async_trait::async_trait]
+    impl BlockVerifier for Scripted {
+        async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+            self.calls += 1;
+            if self.calls > self.ok_calls {
+                return Err(VerifyFailure::Unreachable("down".into()));
+            }
+            self.blocks.push(drafts.len());
+            let accepted = self.accept.min(drafts.len());
+            let mut committed: Vec<u32> = drafts[..accepted].iter().map(|d| d.token).collect();
+            committed.push((context.len() + accepted) as u32 + 1000);
+            Ok(Verified { accepted, committed, logprobs: Vec::new() })
+        }
+    }
+
+    fn meta() -> ModelMeta {
+        ModelMeta {
+            name: "counting".into(),
+            architecture: "test".into(),
+            vocab_size: 5000,
+            stop_token_ids: vec![4999],
+            tokenizer_fingerprint: String::new(),
+            max_context: 4096,
+            chat_template: None,
+        }
+    }
+
+    fn params(max_new_tokens: usize, draft_len: usize, when_unreachable: WhenUnreachable) -> LoopParams {
+        let draft = DraftParams { sampling: SamplingParams::greedy(), seed: 0 };
+        LoopParams { max_new_tokens, draft_len, draft, stop_token_ids: vec![4999], when_unreachable, start_degraded: false }
+    }
+
+    #[tokio::test]
+    async fn the_first_block_is_empty_and_no_block_drafts_past_the_budget() {
+        let drafter = Counting(meta());
+        let mut verifier = Scripted { accept: 10, ok_calls: usize::MAX, calls: 0, blocks: Vec::new() };
+        let mut out = Collect::default();
+        let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params(10, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
+        assert_eq!(end.finish, Finish::Length);
+        assert_eq!(out.0.len(), 10);
+        // 1 (empty block) + 5 (4 drafts + bonus) + 4 (3 drafts, the budget's last token as bonus).
+        assert_eq!(verifier.blocks, vec![0, 4, 3]);
+        assert_eq!(end.stats.committed, 10);
+        assert_eq!((end.stats.drafted, end.stats.accepted, end.stats.target_calls), (7, 7, 3));
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_verifier_fails_or_hands_over_to_the_draft() {
+        let drafter = Counting(meta());
+        let mut verifier = Scripted { accept: 0, ok_calls: 2, calls: 0, blocks: Vec::new() };
+        let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::Fail), &mut Collect::default()).await;
+        assert!(matches!(end, Err(LoopError::Verifier(VerifyFailure::Unreachable(_)))));
+
+        let mut verifier = Scripted { accept: 0, ok_calls: 2, calls: 0, blocks: Vec::new() };
+        let mut out = Collect::default();
+        let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::DraftAlone), &mut out).await.unwrap();
+        assert!(end.stats.degraded);
+        assert_eq!((end.finish, out.0.len(), end.stats.target_calls), (Finish::Length, 40, 2));
+        // After the two verified tokens, the draft's own tokens: position i drafts i.
+        assert_eq!(out.0[2..6], [3, 4, 5, 6]);
+    }
+
+    #[tokio::test]
+    async fn a_stop_token_ends_the_generation() {
+        let drafter = Counting(meta());
+        let mut verifier = Scripted { accept: 10, ok_calls: usize::MAX, calls: 0, blocks: Vec::new() };
+        let mut out = Collect::default();
+        // Position 4999 drafts the stop token 4999.
+        let prompt: Vec<u32> = (0..4990).collect();
+        let end = run(Some(&drafter), &mut verifier, &prompt, &params(100, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
+        assert_eq!(end.finish, Finish::StopToken);
+        assert_eq!(out.0.last(), Some(&4999));
+    }
 }

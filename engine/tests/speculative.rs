@@ -91,5 +91,5 @@ async fn sampling_with_a_seed_is_reproducible() {
     assert_eq!(a.tokens, b.tokens);
     let other = run(Some(&own), &target, &ids, &GenerateParams { seed: 8, ..p }).await;
     assert_ne!(a.tokens, other.tokens, "a different seed should give a different sample");
-    assert!(matches!(a.finish, Finish::Length | Finish::Stop));
+    assert!(matches!(a.finish, Finish::Length | Finish::StopToken));
 }

@@ -6,10 +6,14 @@
 
 use std::time::{Duration, Instant};
 
+use rand::Rng;
 use reqwest::StatusCode;
-use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse};
+use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken};
+use spade_core::{DraftToken, SamplingParams};
+use spade_engine::speculative::{BlockVerifier, Verified, VerifyFailure};
 
 use crate::config::Config;
+use crate::state::AppState;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum CallError {
@@ -152,5 +156,83 @@ fn describe(e: &reqwest::Error) -> String {
         "connection failed".into()
     } else {
         e.to_string()
+    }
+}
+
+/// One generation's verifier session: the loop's [`BlockVerifier`] over HTTP. Sends only the ids
+/// appended since the last call, resends the full context when the verifier lost the session, and
+/// frees the session when dropped.
+pub struct RemoteSession {
+    state: AppState,
+    id: String,
+    sampling: SamplingParams,
+    seed: u64,
+    top_logprobs: Option<u8>,
+    /// Tokens of the context the verifier's session holds; 0 sends the full context.
+    synced: usize,
+    /// A call was sent: the verifier may hold a session to free at the end.
+    opened: bool,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+}
+
+impl RemoteSession {
+    pub fn new(state: AppState, sampling: SamplingParams, seed: u64, top_logprobs: Option<u8>) -> Self {
+        let id = format!("gw-{:032x}", rand::rng().random::<u128>());
+        Self { state, id, sampling, seed, top_logprobs, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
+    }
+}
+
+#[async_trait::async_trait]
+impl BlockVerifier for RemoteSession {
+    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+        loop {
+            let request = VerifyRequest {
+                session_id: Some(self.id.clone()),
+                context: context[self.synced..].to_vec(),
+                context_start: self.synced as u32,
+                draft: drafts.iter().map(WireDraftToken::from_draft).collect(),
+                sampling: self.sampling,
+                seed: self.seed,
+                top_logprobs: self.top_logprobs,
+            };
+            self.opened = true;
+            let exchange = match self.state.verifier.verify(&request).await {
+                Err(CallError::ResendContext) if self.synced > 0 => {
+                    tracing::info!("verifier lost the session; resending the full context");
+                    self.synced = 0;
+                    continue;
+                }
+                Err(CallError::Unreachable(e)) => return Err(VerifyFailure::Unreachable(e)),
+                Err(e) => return Err(VerifyFailure::Rejected(e.to_string())),
+                Ok(x) => x,
+            };
+            self.state.metrics.record_verify_latency(exchange.latency);
+            self.bytes_sent += exchange.bytes_sent;
+            self.bytes_received += exchange.bytes_received;
+            let r = exchange.response;
+            let accepted = r.accepted as usize;
+            if accepted > drafts.len() {
+                return Err(VerifyFailure::Rejected(format!("accepted {accepted} of {} drafts", drafts.len())));
+            }
+            let mut committed: Vec<u32> = drafts[..accepted].iter().map(|d| d.token).collect();
+            committed.push(r.next_token);
+            let expected = context.len() + committed.len();
+            if r.session_len as usize != expected {
+                return Err(VerifyFailure::Rejected(format!("session length {} out of step ({expected} expected)", r.session_len)));
+            }
+            self.synced = expected;
+            return Ok(Verified { accepted, committed, logprobs: r.logprobs.unwrap_or_default() });
+        }
+    }
+}
+
+impl Drop for RemoteSession {
+    fn drop(&mut self) {
+        // The verifier holds this generation's KV cache: free it now, not at LRU eviction.
+        if self.opened {
+            let (state, id) = (self.state.clone(), std::mem::take(&mut self.id));
+            tokio::spawn(async move { state.verifier.end_session(&id).await });
+        }
     }
 }

@@ -1,0 +1,78 @@
+//! The loop the gateway runs is lossless under sampling, on a real draft and target: the first drafted
+//! position's committed token is distributed exactly as the target's p (chi-square, fixed seeds).
+//!
+//! Token 1 comes from the empty first block (the verifier alone); token 2 is the first position of a
+//! drafted block: an accepted draft or a correction. Conditioned on token 1 being its most likely value,
+//! token 2 must follow p(. | prompt, token 1). The draft samples hotter than the target, so q differs
+//! from p and both acceptances and corrections occur.
+
+mod common;
+
+use common::*;
+use spade_core::{distribution, SamplingParams};
+use spade_engine::drafter::{DraftParams, DrafterOptions};
+use spade_engine::speculative::{self, Collect, LocalVerifier, LoopParams, WhenUnreachable};
+use spade_engine::{Drafter, EdgeModel, Scorer};
+
+const SAMPLES: u64 = 700;
+
+/// Chi-square critical value at significance 1e-4 (Wilson–Hilferty approximation).
+fn critical(df: usize) -> f64 {
+    let (df, z) = (df as f64, 3.719);
+    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafted_tokens_follow_the_targets_distribution() {
+    let target = scorer(TINY);
+    let draft = drafter(TINY, DrafterOptions::default()).await;
+    let prompt = draft.encode_chat(&[("user".into(), "Name a colour.".to_string())]).await.unwrap();
+    let sampling = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
+    let draft_sampling = SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
+
+    let mut session = target.new_session();
+    let first = distribution(&session.score(&prompt, 1).unwrap()[0], &sampling).unwrap();
+    let t1 = first.argmax();
+    let mut context = prompt.clone();
+    context.push(t1);
+    let p2 = distribution(&session.score(&context, 1).unwrap()[0], &sampling).unwrap();
+
+    let (mut counts, mut kept, mut drafted, mut accepted) = (std::collections::BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
+    for seed in 0..SAMPLES {
+        let params = LoopParams {
+            max_new_tokens: 4,
+            draft_len: 3,
+            draft: DraftParams { sampling: draft_sampling, seed },
+            stop_token_ids: Vec::new(),
+            when_unreachable: WhenUnreachable::Fail,
+            start_degraded: false,
+        };
+        // One scorer session and the draft's prefix cache are reused across samples: both only ever
+        // serve the prompt's KV rows, and each sample's randomness is keyed by its own seed.
+        let mut verifier = LocalVerifier { session: session.as_mut(), sampling, seed, top_logprobs: None };
+        let mut tokens = Collect::default();
+        draft.begin_generation(false).await;
+        let end = speculative::run(Some(&draft as &dyn Drafter), &mut verifier, &prompt, &params, &mut tokens).await.unwrap();
+        draft.end_generation();
+        drafted += end.stats.drafted;
+        accepted += end.stats.accepted;
+        if tokens.0[0] == t1 {
+            kept += 1;
+            *counts.entry(tokens.0[1]).or_default() += 1;
+        }
+    }
+    let mut stat = 0.0;
+    for (&token, &count) in &counts {
+        assert!(p2.prob(token) > 0.0, "token {token} has target probability 0 but was committed {count} times");
+    }
+    for &(token, p) in p2.entries() {
+        let expected = p as f64 * kept as f64;
+        let observed = counts.get(&token).copied().unwrap_or(0) as f64;
+        stat += (observed - expected).powi(2) / expected;
+    }
+    let df = p2.entries().len() - 1;
+    println!("{kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})", critical(df));
+    assert!(kept >= 150, "too few samples with the likely first token: {kept}");
+    assert!(accepted > 0 && accepted < drafted, "both acceptances and rejections should occur: {accepted} of {drafted}");
+    assert!(stat < critical(df), "token 2 is not distributed as the target's p: chi-square {stat:.1}; counts {counts:?}; p {:?}", p2.entries());
+}
