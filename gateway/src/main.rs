@@ -33,11 +33,8 @@ async fn main() -> ExitCode {
 
 async fn load(config: Config, state: Arc<Gateway>) -> Result<(), String> {
     let model = config.draft_model.clone().unwrap_or_default();
-    let options = DrafterOptions {
-        max_concurrent: config.max_concurrent,
-        cache_budget_bytes: (config.draft_cache_mb > 0).then(|| config.draft_cache_mb << 20),
-        ..DrafterOptions::default()
-    };
+    let options =
+        DrafterOptions { max_concurrent: config.max_concurrent, cache_budget_bytes: (config.draft_cache_mb > 0).then_some(config.draft_cache_mb << 20) };
     let source = ModelSource::parse(&model).map_err(|e| format!("cannot load {model}: {e}"))?;
     let drafter = MistralDrafter::load(&source, options).await.map_err(|e| format!("cannot load {model}: {e}"))?;
     tracing::info!(model = %model, vocab = drafter.meta().vocab_size, "draft model loaded");
