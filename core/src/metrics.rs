@@ -46,6 +46,14 @@ pub fn render_scalar(out: &mut String, kind: &str, name: &str, help: &str, value
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
 }
 
+/// Appends one metric with a label, one sample per `(label value, value)`.
+pub fn render_labeled(out: &mut String, kind: &str, name: &str, help: &str, label: &str, samples: impl IntoIterator<Item = (String, u64)>) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    for (value_of_label, value) in samples {
+        let _ = writeln!(out, "{name}{{{label}=\"{value_of_label}\"}} {value}");
+    }
+}
+
 /// Compares every byte of the longer input whatever the contents, so the time taken says nothing
 /// about how much of a secret was right.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

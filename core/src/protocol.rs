@@ -49,7 +49,7 @@ pub struct VerifyRequest {
     #[serde(default)]
     pub seed: u64,
     /// Return the target's log-probability of each committed token, with this many top alternatives
-    /// (0 to 20). Omit for none.
+    /// (0 to 20, `limits::MAX_TOP_LOGPROBS`). Omit for none.
     #[serde(default)]
     pub top_logprobs: Option<u8>,
 }
@@ -94,5 +94,10 @@ pub struct ModelInfo {
     pub vocab_size: u32,
     /// Hash of the tokenizer's vocabulary: gateways refuse a verifier whose fingerprint differs.
     pub tokenizer_fingerprint: String,
+    /// Most tokens of context plus draft one call may hold.
     pub max_context: u32,
+    /// Most draft tokens one call may carry (`--max-draft`): a gateway drafting more is not ready.
+    pub max_draft: u32,
+    /// Most `top_logprobs` one call may ask for.
+    pub max_top_logprobs: u8,
 }

@@ -21,31 +21,34 @@ pub enum SamplingError {
     InvalidLogit { token: u32, value: f32 },
 }
 
+impl SamplingError {
+    /// The request field at fault, for a request that nests the parameters under `parent` (the
+    /// verifier's `sampling`) or keeps them at the top level (`None`: the OpenAI API).
+    pub fn param(&self, parent: Option<&str>) -> Option<String> {
+        match (self, parent) {
+            (Self::InvalidParam { name, .. }, None) => Some(name.to_string()),
+            (Self::InvalidParam { name, .. }, Some(parent)) => Some(format!("{parent}.{name}")),
+            (_, parent) => parent.map(str::to_string),
+        }
+    }
+}
+
 /// How a token is chosen from a model's logits. Temperature 0 means greedy (argmax, ties to the lowest id).
+// A field left out takes its value from `Default`: the one place the defaults are written.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
+#[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
     /// 0 = greedy; otherwise logits are divided by it. Range [0, 2].
-    #[serde(default = "default_temperature")]
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of most probable tokens whose mass is >= top_p. (0, 1]; 1 = off.
-    #[serde(default = "default_top_p")]
     pub top_p: f32,
     /// Keep the k most probable tokens. 0 = off.
-    #[serde(default)]
     pub top_k: u32,
     /// Drop tokens whose probability is below min_p times the largest. [0, 1]; 0 = off.
-    #[serde(default)]
     pub min_p: f32,
 }
 
-fn default_temperature() -> f32 {
-    1.0
-}
-fn default_top_p() -> f32 {
-    1.0
-}
-
+/// The OpenAI API's defaults: sampling at temperature 1 from the whole distribution.
 impl Default for SamplingParams {
     fn default() -> Self {
         Self { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0 }
@@ -53,6 +56,17 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// The parameters a request set, the defaults for those it left out.
+    pub fn with_defaults(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<u32>, min_p: Option<f32>) -> Self {
+        let d = Self::default();
+        Self {
+            temperature: temperature.unwrap_or(d.temperature),
+            top_p: top_p.unwrap_or(d.top_p),
+            top_k: top_k.unwrap_or(d.top_k),
+            min_p: min_p.unwrap_or(d.min_p),
+        }
+    }
+
     pub fn greedy() -> Self {
         Self { temperature: 0.0, ..Self::default() }
     }

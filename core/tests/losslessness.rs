@@ -152,7 +152,10 @@ fn malformed_blocks_are_typed_errors() {
     use spade_core::VerifyError;
     let p = dist(&[0.5, 0.5]);
     let q = dist(&[1.0, 0.0]);
-    assert_eq!(verify_block(&[p.clone()], &[DraftToken { token: 0, q: q.clone() }], 0, 0), Err(VerifyError::LengthMismatch { expected: 2, got: 1 }));
+    assert_eq!(
+        verify_block(std::slice::from_ref(&p), &[DraftToken { token: 0, q: q.clone() }], 0, 0),
+        Err(VerifyError::LengthMismatch { expected: 2, got: 1 })
+    );
     assert_eq!(verify_block(&[p.clone(), p.clone()], &[DraftToken { token: 1, q }], 0, 0), Err(VerifyError::OutsideSupport { index: 0, token: 1 }));
     assert_eq!(verify_greedy(&[1, 2], &[]), Err(VerifyError::LengthMismatch { expected: 1, got: 2 }));
 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 use spade_core::SamplingParams;
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::speculative::{generate, GenerateParams, Generation};
-use spade_engine::{check_same_vocabulary, CandleScorer, Drafter, MistralDrafter, ModelSource, Scorer};
+use spade_engine::{check_same_vocabulary, CandleScorer, Drafter, MistralDrafter, ModelSource, Role, Scorer};
 
 const PROMPTS: &[&str] = &[
     "Write a Python function that checks whether a string is a palindrome.",
@@ -42,7 +42,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (mut spec_all, mut ref_all) = (Vec::new(), Vec::new());
     let (mut spec_secs, mut ref_secs) = (0.0, 0.0);
     for (i, prompt) in PROMPTS.iter().take(n_prompts).enumerate() {
-        let ids = draft.encode_chat(&[("user".into(), prompt.to_string())]).await?;
+        let ids = draft.encode_chat(&[(Role::User, prompt.to_string())]).await?;
         let params = |d| GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: d,

@@ -26,7 +26,7 @@ use spade_core::{distribution, DraftToken, SamplingParams};
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, ModelMeta, ModelSource};
-use crate::{Drafter, EngineError};
+use crate::{Drafter, EngineError, Role};
 
 /// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
 /// target's p is what makes drafts accepted.
@@ -115,18 +115,19 @@ impl MistralDrafter {
     }
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
-    pub async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+    pub async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
         <Self as crate::EdgeModel>::encode_chat(self, messages).await
     }
 
-    async fn apply_chat_template(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+    async fn apply_chat_template(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
         let mut m = TextMessages::new();
         for (role, content) in messages {
-            let role = match role.as_str() {
-                "system" | "developer" => TextMessageRole::System,
-                "assistant" => TextMessageRole::Assistant,
-                "tool" => TextMessageRole::Tool,
-                _ => TextMessageRole::User,
+            // Chat templates know no `developer`: it is OpenAI's newer name for the system prompt.
+            let role = match role {
+                Role::System | Role::Developer => TextMessageRole::System,
+                Role::User => TextMessageRole::User,
+                Role::Assistant => TextMessageRole::Assistant,
+                Role::Tool => TextMessageRole::Tool,
             };
             m = m.add_message(role, content);
         }
@@ -374,7 +375,7 @@ impl Drafter for MistralDrafter {
 
 #[async_trait::async_trait]
 impl crate::EdgeModel for MistralDrafter {
-    async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError> {
+    async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
         self.apply_chat_template(messages).await
     }
 

@@ -156,6 +156,11 @@ pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<()
     Ok(())
 }
 
+/// Reads the metadata of a local GGUF file.
+pub fn read_meta(path: &Path) -> Result<ModelMeta, EngineError> {
+    GgufFile::open(path)?.meta()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,9 +178,4 @@ mod tests {
             assert!(matches!(ModelSource::parse(bad), Err(EngineError::ModelNotFound(_))), "{bad}");
         }
     }
-}
-
-/// Reads the metadata of a local GGUF file.
-pub fn read_meta(path: &Path) -> Result<ModelMeta, EngineError> {
-    GgufFile::open(path)?.meta()
 }

@@ -17,6 +17,7 @@ pub use drafter::{DraftParams, MistralDrafter};
 pub use error::EngineError;
 pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
 pub use scorer::CandleScorer;
+pub use spade_core::openai::Role;
 pub use spade_core::DraftToken;
 
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
@@ -52,7 +53,7 @@ pub trait Drafter: Send + Sync {
 #[async_trait::async_trait]
 pub trait EdgeModel: Drafter {
     /// `(role, content)` messages through the model's chat template, with the assistant turn opened.
-    async fn encode_chat(&self, messages: &[(String, String)]) -> Result<Vec<u32>, EngineError>;
+    async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError>;
     /// Ids to text, special tokens skipped. Cheap and synchronous: called for every streamed token.
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError>;
 }

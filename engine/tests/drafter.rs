@@ -10,7 +10,7 @@ use common::*;
 use spade_core::{distribution, verify_block, SamplingParams};
 use spade_engine::drafter::{DraftParams, DrafterOptions};
 use spade_engine::speculative::{generate, GenerateParams};
-use spade_engine::{Drafter, MistralDrafter, Scorer};
+use spade_engine::{Drafter, MistralDrafter, Role, Scorer};
 
 fn kl(p: &spade_core::SparseDist, q: &spade_core::SparseDist) -> f64 {
     p.entries()
@@ -30,7 +30,7 @@ async fn warm_vs_cold(warm: &MistralDrafter, cold: &MistralDrafter, rounds: usiz
     let mut session = target.new_session();
     let sampling = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
     let params = DraftParams { sampling, seed: 3 };
-    let mut seq = warm.encode_chat(&[("user".into(), PROMPTS[0].into())]).await.unwrap();
+    let mut seq = warm.encode_chat(&[(Role::User, PROMPTS[0].into())]).await.unwrap();
     warm.begin_generation(true).await;
     let (mut max_kl, mut after_full, mut prev_full) = (0.0f64, 0, false);
     for _ in 0..rounds {
@@ -100,7 +100,7 @@ async fn draft_run(own: &MistralDrafter, prompt: &[u32], rounds: usize) -> (std:
 async fn repeating_a_generation_is_served_from_the_cache() {
     let own = drafter(TINY, DrafterOptions::default()).await;
     let long_prompt = PROMPTS.join(" Then: ");
-    let prompt = own.encode_chat(&[("user".into(), long_prompt)]).await.unwrap();
+    let prompt = own.encode_chat(&[(Role::User, long_prompt)]).await.unwrap();
     assert!(prompt.len() > 150, "the prompt should cost a visible prefill ({} tokens)", prompt.len());
     let (first, seq_a) = draft_run(&own, &prompt, 12).await;
     let (again, seq_b) = draft_run(&own, &prompt, 12).await;
@@ -118,7 +118,7 @@ async fn repeating_a_generation_is_served_from_the_cache() {
 async fn first_sampled_token_follows_the_target_distribution() {
     let target = scorer(TINY);
     let own = drafter(TINY, DrafterOptions::default()).await;
-    let prompt = own.encode_chat(&[("user".into(), "Name a colour.".into())]).await.unwrap();
+    let prompt = own.encode_chat(&[(Role::User, "Name a colour.".into())]).await.unwrap();
     let sampling = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
     let p = distribution(&target.new_session().score(&prompt, 1).unwrap()[0], &sampling).unwrap();
     const RUNS: u64 = 500;

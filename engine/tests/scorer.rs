@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use spade_engine::drafter::DrafterOptions;
-use spade_engine::Scorer;
+use spade_engine::{Role, Scorer};
 
 fn tokens_for_test(vocab: u32) -> Vec<u32> {
     (0..40u32).map(|i| (i * 7919 + 13) % vocab.min(30_000)).collect()
@@ -52,7 +52,7 @@ async fn agrees_with_mistralrs_raw_logits() {
     for name in [TINY, DRAFT] {
         let scorer = scorer(name);
         let drafter = drafter(name, DrafterOptions::default()).await;
-        let toks = drafter.encode_chat(&[("user".into(), "Write a haiku about the sea, then explain what a haiku is.".into())]).await.unwrap();
+        let toks = drafter.encode_chat(&[(Role::User, "Write a haiku about the sea, then explain what a haiku is.".into())]).await.unwrap();
         let ours = scorer.new_session().score(&toks, toks.len()).unwrap();
         let theirs = drafter.raw_logits(&toks).await.unwrap();
         let theirs = &theirs[theirs.len() - ours.len()..];

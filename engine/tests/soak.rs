@@ -5,16 +5,10 @@ mod common;
 use common::*;
 use spade_core::SamplingParams;
 use spade_engine::drafter::{DraftParams, DrafterOptions};
-use spade_engine::Drafter;
+use spade_engine::{Drafter, Role};
 
 fn rss_mb() -> f64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|kb| kb.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
+    spade_test_support::rss_mb(std::process::id())
 }
 
 /// 320 rounds on one engine, no rebuilds: prefix-cache eviction keeps memory bounded (unpatched
@@ -29,7 +23,7 @@ async fn soak_memory_and_threads_stay_bounded() {
     let started = std::time::Instant::now();
     for round in 0..320 {
         if round % 40 == 0 {
-            seq = own.encode_chat(&[("user".into(), PROMPTS[round / 40 % PROMPTS.len()].into())]).await.unwrap();
+            seq = own.encode_chat(&[(Role::User, PROMPTS[round / 40 % PROMPTS.len()].into())]).await.unwrap();
         }
         let drafts = own.draft(&seq, 4, &params).await.unwrap();
         seq.extend(drafts.iter().map(|d| d.token));

@@ -8,7 +8,7 @@ use rand::{Rng, SeedableRng};
 use spade_core::{DraftToken, SamplingParams, SparseDist};
 use spade_engine::drafter::{DraftParams, DrafterOptions};
 use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
-use spade_engine::{Drafter, EngineError, ModelMeta, Scorer};
+use spade_engine::{Drafter, EngineError, ModelMeta, Role, Scorer};
 
 fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {
     GenerateParams { max_new_tokens, draft_len, sampling, draft_sampling: sampling, seed: 7, stop_token_ids: meta.stop_token_ids.clone() }
@@ -48,7 +48,7 @@ async fn greedy_qwen_pair_is_identical_to_target_only() {
     spade_engine::check_same_vocabulary(draft.meta(), target.meta()).unwrap();
     let (mut calls_spec, mut calls_target, mut tokens) = (0, 0, 0);
     for prompt in &PROMPTS[..8] {
-        let ids = draft.encode_chat(&[("user".into(), prompt.to_string())]).await.unwrap();
+        let ids = draft.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
         let reference = run(None, &target, &ids, &params(0, 24, SamplingParams::greedy(), target.meta())).await;
         let spec = run(Some(&draft), &target, &ids, &params(4, 24, SamplingParams::greedy(), target.meta())).await;
         assert_eq!(spec.tokens, reference.tokens, "prompt {prompt:?}");
@@ -67,7 +67,7 @@ async fn greedy_with_adversarial_and_self_drafters_is_identical() {
     let random = RandomDrafter { meta: target.meta().clone() };
     let own = drafter(TINY, DrafterOptions::default()).await;
     for prompt in &PROMPTS[..4] {
-        let ids = own.encode_chat(&[("user".into(), prompt.to_string())]).await.unwrap();
+        let ids = own.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
         let p = |d| params(d, 40, SamplingParams::greedy(), target.meta());
         let reference = run(None, &target, &ids, &p(0)).await;
         let adversarial = run(Some(&random), &target, &ids, &p(4)).await;
@@ -83,7 +83,7 @@ async fn greedy_with_adversarial_and_self_drafters_is_identical() {
 async fn sampling_with_a_seed_is_reproducible() {
     let target = scorer(TINY);
     let own = drafter(TINY, DrafterOptions::default()).await;
-    let ids = own.encode_chat(&[("user".into(), PROMPTS[2].to_string())]).await.unwrap();
+    let ids = own.encode_chat(&[(Role::User, PROMPTS[2].to_string())]).await.unwrap();
     let sampling = SamplingParams { temperature: 0.8, ..SamplingParams::default() };
     let p = params(3, 32, sampling, target.meta());
     let a = run(Some(&own), &target, &ids, &p).await;

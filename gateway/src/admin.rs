@@ -1,14 +1,14 @@
-//! `/health`, `/v1/models`, `/metrics`, and the fallbacks for unknown routes.
+//! `/health`, `/v1/models`, `/metrics`.
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
 use spade_core::openai::{ModelCard, ModelList};
 use spade_core::ErrorBody;
+use spade_http::Json;
 use utoipa::ToSchema;
 
-use crate::error::{ApiError, Json};
 use crate::state::{AppState, VerifierStatus};
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -57,13 +57,5 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
 ), security((), ("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], state.metrics.render(state.is_loaded()))
-}
-
-pub async fn not_found() -> ApiError {
-    ApiError::NotFound
-}
-
-pub async fn method_not_allowed() -> ApiError {
-    ApiError::MethodNotAllowed
+    spade_http::prometheus(state.metrics.render(state.draft_model.is_loaded()))
 }

@@ -3,23 +3,24 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use rand::Rng;
+use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, MessageContent, Role, StopSequences};
 use spade_core::{ErrorBody, SamplingParams};
+use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
 
 use crate::config::OfflineFallback;
-use crate::error::{ApiError, Json};
+use crate::error::ApiError;
 use crate::generation::{self, Event, Job};
 use crate::respond;
 use crate::state::AppState;
 
 const MAX_STOPS: usize = 16;
-const MAX_TOP_LOGPROBS: u8 = 20;
 
 /// A request that passed validation; the prompt is not encoded yet.
 #[derive(Debug, Clone)]
 pub struct ValidChat {
-    pub messages: Vec<(String, String)>,
+    pub messages: Vec<(Role, String)>,
     pub sampling: SamplingParams,
     pub max_tokens: Option<usize>,
     /// Which field set `max_tokens`, for error messages.
@@ -32,7 +33,7 @@ pub struct ValidChat {
 }
 
 fn refuse(param: &str, message: &str) -> ApiError {
-    ApiError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }
+    RequestError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }.into()
 }
 
 pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
@@ -41,12 +42,9 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     }
     let mut messages = Vec::with_capacity(req.messages.len());
     for (i, m) in req.messages.iter().enumerate() {
-        let role = match m.role {
-            Role::System | Role::Developer => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-            Role::Tool => return Err(refuse(&format!("messages[{i}].role"), "tool messages are not supported (SPADE does not support tools)")),
-        };
+        if m.role == Role::Tool {
+            return Err(refuse(&format!("messages[{i}].role"), "tool messages are not supported (SPADE does not support tools)"));
+        }
         let content = match &m.content {
             Some(MessageContent::Text(t)) => t.clone(),
             Some(MessageContent::Parts(parts)) => {
@@ -67,7 +65,7 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
             }
             None => return Err(ApiError::invalid(format!("messages[{i}].content"), "every message needs content")),
         };
-        messages.push((role.to_string(), content));
+        messages.push((m.role, content));
     }
     if req.n.is_some_and(|n| n != 1) {
         return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
@@ -98,16 +96,8 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     if req.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
         return Err(refuse("tool_choice", "tool_choice is not supported (only \"none\")"));
     }
-    let sampling = SamplingParams {
-        temperature: req.temperature.unwrap_or(1.0),
-        top_p: req.top_p.unwrap_or(1.0),
-        top_k: req.top_k.unwrap_or(0),
-        min_p: req.min_p.unwrap_or(0.0),
-    };
-    sampling.validate().map_err(|e| match e {
-        spade_core::SamplingError::InvalidParam { name, .. } => ApiError::invalid(name, e.to_string()),
-        other => ApiError::invalid("temperature", other.to_string()),
-    })?;
+    let sampling = SamplingParams::with_defaults(req.temperature, req.top_p, req.top_k, req.min_p);
+    sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None })?;
     let (name, max) = match (req.max_completion_tokens, req.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -206,7 +196,7 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
         }
         Err(e) => return Err(e),
     };
-    let too_long = |message: String| ApiError::Invalid { message, param: Some("messages".into()), code: Some("context_length_exceeded") };
+    let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some("messages".into()), code: Some("context_length_exceeded") });
     if prompt.len() >= max_context {
         return Err(too_long(format!("the prompt is {} tokens; the model's context is {max_context}", prompt.len())));
     }

@@ -1,13 +1,19 @@
 //! Command line and environment: the one place configuration is read.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::time::Duration;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{Parser, ValueEnum};
+use spade_http::{Command, ServerArgs};
+
+spade_http::server_profile!(GatewayFlags, "SPADE_GATEWAY", port = "8080", max_body_bytes = "4194304");
 
 #[derive(Debug, Clone, Parser)]
 #[command(name = "spade-gateway", version, about = "SPADE edge gateway: OpenAI-compatible chat completions, drafted locally, verified in the cloud")]
 pub struct Config {
+    #[command(flatten)]
+    pub server: ServerArgs<GatewayFlags>,
+
     #[command(subcommand)]
     pub command: Option<Command>,
 
@@ -24,19 +30,9 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_API_KEY", hide_env_values = true)]
     pub verifier_api_key: Option<String>,
 
-    /// Address to bind. The default keeps the gateway private to this machine.
-    #[arg(long, env = "SPADE_GATEWAY_HOST", default_value = "127.0.0.1")]
-    pub host: IpAddr,
-
-    #[arg(long, env = "SPADE_GATEWAY_PORT", default_value_t = 8080)]
-    pub port: u16,
-
-    /// Bearer token clients must present on /v1/* and /metrics (optional; /health stays open).
-    #[arg(long, env = "SPADE_GATEWAY_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
-
     /// Draft tokens per verify call; 0 sends no drafts (target-only decoding through the verifier).
     /// The default 4 was the best tokens per call vs draft time on the Qwen2.5-Coder 0.5B/1.5B pair.
+    /// At most the verifier's --max-draft: /health reports not ready otherwise.
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value_t = 4)]
     pub draft_len: usize,
 
@@ -83,21 +79,9 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_MAX_CONCURRENT", default_value_t = 1)]
     pub max_concurrent: usize,
 
-    /// Largest accepted request body, in bytes.
-    #[arg(long, env = "SPADE_GATEWAY_MAX_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
-    pub max_body_bytes: usize,
-
     /// Seconds between SSE keep-alive comments on a quiet stream.
     #[arg(long, env = "SPADE_GATEWAY_KEEP_ALIVE_SECS", default_value_t = 10)]
     pub keep_alive_secs: u64,
-
-    /// Log filter (tracing-subscriber syntax), e.g. `info` or `spade_gateway=debug`.
-    #[arg(long, env = "SPADE_GATEWAY_LOG", default_value = "info")]
-    pub log: String,
-
-    /// Log as JSON lines.
-    #[arg(long, env = "SPADE_GATEWAY_LOG_JSON")]
-    pub log_json: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -106,17 +90,7 @@ pub enum OfflineFallback {
     Draft,
 }
 
-#[derive(Debug, Clone, Subcommand)]
-pub enum Command {
-    /// Print the OpenAPI document and exit.
-    Openapi,
-}
-
 impl Config {
-    pub fn addr(&self) -> SocketAddr {
-        SocketAddr::new(self.host, self.port)
-    }
-
     pub fn verify_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.verify_timeout_secs)
     }
@@ -137,9 +111,6 @@ impl Config {
         if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
             return Err("timeouts must be positive numbers of seconds".into());
         }
-        if self.draft_len > 32 {
-            return Err("--draft-len must be at most 32 (the verifier's default --max-draft)".into());
-        }
         if self.max_concurrent == 0 || self.keep_alive_secs == 0 || self.max_completion_tokens == Some(0) {
             return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
         }
@@ -149,8 +120,8 @@ impl Config {
     /// Where the settings are risky but legal: said once at start.
     pub fn warnings(&self) -> Vec<String> {
         let mut out = Vec::new();
-        if !self.host.is_loopback() && self.api_key.as_deref().is_none_or(str::is_empty) {
-            out.push(format!("binding {} without --api-key: anyone who can reach it can spend your verifier's time", self.host));
+        if !self.server.host.is_loopback() && self.server.api_key().is_none() {
+            out.push(format!("binding {} without --api-key: anyone who can reach it can spend your verifier's time", self.server.host));
         }
         if self.verifier_url.starts_with("http://") && !is_local_url(&self.verifier_url) {
             out.push("the verifier URL is plain http to another host: prompts and the API key travel unencrypted (use https or a TLS proxy)".into());

@@ -1,22 +1,16 @@
 //! The gateway's one error type, rendered as OpenAI-shaped bodies (and as the `error` event of a
-//! stream that fails midway).
+//! stream that fails midway). What is wrong with the request itself is spade-http's `RequestError`.
 
-use axum::extract::rejection::JsonRejection;
 use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use spade_core::ErrorBody;
 use spade_engine::EngineError;
+use spade_http::{ErrorResponse, RequestError};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum ApiError {
-    #[error("{message}")]
-    Invalid { message: String, param: Option<String>, code: Option<&'static str> },
-    #[error("invalid JSON body: {0}")]
-    Json(String),
-    #[error("request body too large")]
-    TooLarge,
-    #[error("missing or invalid API key")]
-    Unauthorized,
+    #[error(transparent)]
+    Request(#[from] RequestError),
     #[error("the draft model is still loading")]
     NotReady,
     /// The verifier could not be reached (after retries). Retrying at once would only pay for the
@@ -26,68 +20,35 @@ pub enum ApiError {
     /// The verifier answered, but with something the gateway cannot use.
     #[error("the verifier failed: {0}")]
     VerifierFailed(String),
-    #[error("not found")]
-    NotFound,
-    #[error("method not allowed")]
-    MethodNotAllowed,
     #[error("internal error: {0}")]
     Internal(String),
 }
 
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        self.response().into_response()
+    }
+}
+
 impl ApiError {
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Invalid { message: message.into(), param: Some(param.into()), code: None }
-    }
-
-    pub fn status(&self) -> StatusCode {
-        match self {
-            Self::Invalid { .. } | Self::Json(_) => StatusCode::BAD_REQUEST,
-            Self::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            Self::Unauthorized => StatusCode::UNAUTHORIZED,
-            Self::NotReady | Self::VerifierUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
-            Self::VerifierFailed(_) => StatusCode::BAD_GATEWAY,
-            Self::NotFound => StatusCode::NOT_FOUND,
-            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
-            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
-        }
+        RequestError::invalid(param, message).into()
     }
 
     pub fn body(&self) -> ErrorBody {
-        let (kind, code, param) = match self {
-            Self::Invalid { param, code, .. } => ("invalid_request_error", *code, param.clone()),
-            Self::Json(_) => ("invalid_request_error", Some("invalid_json"), None),
-            Self::TooLarge => ("invalid_request_error", Some("request_too_large"), None),
-            Self::Unauthorized => ("authentication_error", Some("invalid_api_key"), None),
-            Self::NotReady => ("server_error", Some("not_ready"), None),
-            Self::VerifierUnavailable(_) => ("server_error", Some("verifier_unavailable"), None),
-            Self::VerifierFailed(_) => ("server_error", Some("verifier_error"), None),
-            Self::NotFound => ("invalid_request_error", Some("not_found"), None),
-            Self::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed"), None),
-            Self::Internal(_) => ("server_error", None, None),
-        };
-        let mut body = ErrorBody::new(kind, self.to_string());
-        body.error.code = code.map(str::to_string);
-        body.error.param = param;
-        body
+        self.response().body
     }
-}
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status(), axum::Json(self.body())).into_response();
+    fn response(&self) -> ErrorResponse {
         // The OpenAI SDKs retry 5xx on their own; where that would only repeat a paid failure, say no.
-        if matches!(self, Self::VerifierUnavailable(_) | Self::VerifierFailed(_)) {
-            response.headers_mut().insert(HeaderName::from_static("x-should-retry"), HeaderValue::from_static("false"));
-        }
-        response
-    }
-}
-
-impl From<JsonRejection> for ApiError {
-    fn from(rejection: JsonRejection) -> Self {
-        match spade_http::BodyRejection::from(rejection) {
-            spade_http::BodyRejection::TooLarge => Self::TooLarge,
-            spade_http::BodyRejection::Invalid(message) => Self::Json(message),
+        let no_retry = |r: ErrorResponse| r.with_header(HeaderName::from_static("x-should-retry"), HeaderValue::from_static("false"));
+        let message = self.to_string();
+        match self {
+            Self::Request(e) => e.response(),
+            Self::VerifierUnavailable(_) => no_retry(ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("verifier_unavailable")),
+            Self::VerifierFailed(_) => no_retry(ErrorResponse::server(StatusCode::BAD_GATEWAY, message).with_code("verifier_error")),
+            Self::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("not_ready"),
+            Self::Internal(_) => ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message),
         }
     }
 }
@@ -95,19 +56,8 @@ impl From<JsonRejection> for ApiError {
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::InvalidRequest(_) | EngineError::Sampling(_) => Self::Invalid { message: e.to_string(), param: None, code: None },
+            EngineError::InvalidRequest(_) | EngineError::Sampling(_) => RequestError::Invalid { message: e.to_string(), param: None, code: None }.into(),
             other => Self::Internal(other.to_string()),
         }
-    }
-}
-
-/// `axum::Json`, with rejections rendered as OpenAI-shaped errors.
-#[derive(Debug, Clone, Copy, Default, axum::extract::FromRequest)]
-#[from_request(via(axum::Json), rejection(ApiError))]
-pub struct Json<T>(pub T);
-
-impl<T: serde::Serialize> IntoResponse for Json<T> {
-    fn into_response(self) -> Response {
-        axum::Json(self.0).into_response()
     }
 }

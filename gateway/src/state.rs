@@ -1,10 +1,12 @@
 //! What every handler shares.
 
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::protocol::ModelInfo;
 use spade_engine::EdgeModel;
+use spade_http::{HttpSettings, ModelSlot};
 
 use crate::config::{Config, OfflineFallback};
 use crate::error::ApiError;
@@ -19,18 +21,17 @@ pub struct Settings {
     pub fallback: OfflineFallback,
     pub model_name: String,
     pub keep_alive: Duration,
-    pub max_body_bytes: usize,
 }
 
 pub struct Gateway {
     /// Set once the draft model has loaded; until then /health is 503 and completions answer not_ready.
-    model: OnceLock<Arc<dyn EdgeModel>>,
+    pub draft_model: ModelSlot<dyn EdgeModel>,
     pub verifier: VerifierClient,
     /// The verifier's answer to /v1/info once its vocabulary was seen to match the draft's.
     verifier_info: RwLock<Option<ModelInfo>>,
     pub settings: Settings,
     pub metrics: Metrics,
-    pub api_key: Option<String>,
+    pub http: HttpSettings,
     pub started: u64,
 }
 
@@ -47,7 +48,7 @@ pub enum VerifierStatus {
 impl Gateway {
     pub fn new(config: &Config) -> Result<Self, String> {
         Ok(Self {
-            model: OnceLock::new(),
+            draft_model: ModelSlot::default(),
             verifier: VerifierClient::new(config)?,
             verifier_info: RwLock::new(None),
             settings: Settings {
@@ -57,34 +58,29 @@ impl Gateway {
                 fallback: config.offline_fallback,
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),
-                max_body_bytes: config.max_body_bytes,
             },
             metrics: Metrics::default(),
-            api_key: config.api_key.clone().filter(|k| !k.is_empty()),
+            http: config.server.http(),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         })
     }
 
-    pub fn set_model(&self, model: Arc<dyn EdgeModel>) {
-        let _ = self.model.set(model);
-    }
-
     pub fn model(&self) -> Result<&Arc<dyn EdgeModel>, ApiError> {
-        self.model.get().ok_or(ApiError::NotReady)
+        self.draft_model.get().ok_or(ApiError::NotReady)
     }
 
-    pub fn is_loaded(&self) -> bool {
-        self.model.get().is_some()
-    }
-
-    /// Asks the verifier now and checks its vocabulary against the draft model's.
+    /// Asks the verifier now and checks its limits against this gateway's settings and its
+    /// vocabulary against the draft model's.
     pub async fn check_verifier(&self) -> VerifierStatus {
         let info = match self.verifier.info().await {
             Ok(info) => info,
             Err(CallError::Rejected(e)) => return VerifierStatus::Mismatch(e),
             Err(e) => return VerifierStatus::Unreachable(e.to_string()),
         };
-        if let Some(model) = self.model.get() {
+        if let Some(problem) = self.exceeded_limit(&info) {
+            return VerifierStatus::Mismatch(problem);
+        }
+        if let Some(model) = self.draft_model.get() {
             let draft = model.meta();
             if draft.tokenizer_fingerprint != info.tokenizer_fingerprint || draft.vocab_size != info.vocab_size {
                 return VerifierStatus::Mismatch(format!(
@@ -95,6 +91,22 @@ impl Gateway {
             *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
         }
         VerifierStatus::Ready(info)
+    }
+
+    /// Which of the verifier's limits this gateway's settings or requests would break, if any: each
+    /// would otherwise show up per request, as the verifier's 400 turned into a 502.
+    fn exceeded_limit(&self, info: &ModelInfo) -> Option<String> {
+        let draft_len = self.settings.draft_len;
+        if draft_len > info.max_draft as usize {
+            return Some(format!(
+                "this gateway drafts {draft_len} tokens per verify call (--draft-len) but the verifier accepts at most {} (its --max-draft): lower --draft-len or raise --max-draft",
+                info.max_draft
+            ));
+        }
+        if info.max_top_logprobs < MAX_TOP_LOGPROBS {
+            return Some(format!("the verifier serves at most {} top_logprobs; this gateway accepts up to {MAX_TOP_LOGPROBS}", info.max_top_logprobs));
+        }
+        None
     }
 
     /// The verifier's info, checked once and then remembered (a restarted verifier with another

@@ -115,3 +115,27 @@ async fn verifier_killed_mid_stream_ends_with_an_error_or_degrades() {
         assert!(pass, "{text}");
     }
 }
+
+/// A gateway drafting more tokens per call than the verifier accepts is not ready, and says why,
+/// instead of failing every request with the verifier's 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn draft_len_over_the_verifiers_max_draft_is_not_ready() {
+    let verifier = start_verifier_on(0, &["--max-draft", "2"]).await;
+    let gateway = spawn_gateway(&verifier.url, &["--draft-len", "4"], false).await;
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let (status, body) = loop {
+        let (status, body) = health(&gateway.url).await;
+        if status != 0 && body["status"] != "loading" {
+            break (status, body);
+        }
+        assert!(Instant::now() < deadline, "the gateway never finished loading: {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["status"], "verifier_mismatch", "{body}");
+    let detail = body["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains("--draft-len") && detail.contains("--max-draft") && detail.contains("at most 2"), "{detail}");
+    // Within the limit, the same pair is ready.
+    let fitting = start_gateway(&verifier.url, &["--draft-len", "2"]).await;
+    assert_eq!(health(&fitting.url).await.0, 200);
+}

@@ -167,7 +167,7 @@ async fn verifier_down_at_start_then_up() {
     assert!(pass);
 
     let _verifier = start_verifier_on(port, &[]).await;
-    wait_ready(&gateway.url, "gateway after the verifier came up").await;
+    gateway.wait_ready().await;
     let v = complete(&gateway.url, &request(PROMPTS[0], 8, json!({}))).await;
     report("faults", "verifier comes up later: the gateway recovers without restart", &format!("200 {:?}", content(&v)), true);
 }

@@ -53,7 +53,7 @@ fn read_stream(body: &str) -> (String, Option<String>, Vec<Value>) {
 
 #[tokio::test]
 async fn greedy_stream_and_json_agree_with_the_target() {
-    let scorer = FakeScorer::new();
+    let scorer = fake_scorer();
     let verifier = start_verifier(scorer, &[]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
 
@@ -91,7 +91,7 @@ async fn greedy_stream_and_json_agree_with_the_target() {
 
 #[tokio::test]
 async fn include_usage_sends_a_final_chunk_without_choices() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     let (_, _, body) = chat(&gateway.url, hello(json!({"stream": true, "stream_options": {"include_usage": true}, "max_tokens": 5}))).await;
     let (text, finish, chunks) = read_stream(&body);
@@ -105,7 +105,7 @@ async fn include_usage_sends_a_final_chunk_without_choices() {
 
 #[tokio::test]
 async fn stop_sequences_spanning_tokens_are_never_sent() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "2"]).await;
     // "wörld" spans six byte tokens and several rounds; "🎉" is four bytes of one character.
     for (stop, expected) in [(json!("wörld"), "Héllo "), (json!(["xyz", "🎉"]), "Héllo wörld! "), (json!(["of the", "END"]), "Héllo wörld! 🎉 日本語 ")]
@@ -122,7 +122,7 @@ async fn stop_sequences_spanning_tokens_are_never_sent() {
 
 #[tokio::test]
 async fn logprobs_come_from_the_target() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     let (status, _, body) = chat(&gateway.url, hello(json!({"logprobs": true, "top_logprobs": 2, "max_tokens": 6}))).await;
     assert_eq!(status, 200, "{body}");
@@ -140,7 +140,7 @@ async fn logprobs_come_from_the_target() {
 
 #[tokio::test]
 async fn seeded_sampling_reproduces() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     let body = hello(json!({"temperature": 1.0, "seed": 7, "max_tokens": 40}));
     let (_, _, a) = chat(&gateway.url, body.clone()).await;
@@ -151,7 +151,7 @@ async fn seeded_sampling_reproduces() {
 
 #[tokio::test]
 async fn finished_generations_free_their_verifier_session() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     for stream in [false, true] {
         let (status, _, _) = chat(&gateway.url, hello(json!({"stream": stream, "max_tokens": 6}))).await;
@@ -165,7 +165,7 @@ async fn finished_generations_free_their_verifier_session() {
 #[tokio::test]
 async fn lost_sessions_are_resent_and_the_output_is_unchanged() {
     // A zero cache budget evicts every session right after its call: each delta gets 409.
-    let verifier = start_verifier(FakeScorer::new(), &["--cache-budget-mb", "0"]).await;
+    let verifier = start_verifier(fake_scorer(), &["--cache-budget-mb", "0"]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
     let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
     assert_eq!(status, 200, "{body}");
@@ -175,7 +175,7 @@ async fn lost_sessions_are_resent_and_the_output_is_unchanged() {
 
 #[tokio::test]
 async fn bad_requests_name_the_parameter() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     let cases = [
         (json!({"messages": []}), "messages"),
@@ -223,7 +223,7 @@ async fn bad_requests_name_the_parameter() {
 
 #[tokio::test]
 async fn the_completion_token_cap_refuses_and_bounds() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--max-completion-tokens", "4"]).await;
     let (status, _, body) = chat(&gateway.url, hello(json!({"max_tokens": 5}))).await;
     assert_eq!(status, 400);
@@ -236,7 +236,7 @@ async fn the_completion_token_cap_refuses_and_bounds() {
 
 #[tokio::test]
 async fn oversized_bodies_get_413() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--max-body-bytes", "1000"]).await;
     let (status, _, body) = chat(&gateway.url, json!({"messages": [{"role": "user", "content": "x".repeat(5000)}]})).await;
     assert_eq!(status, 413, "{body}");
@@ -277,7 +277,7 @@ async fn offline_fallback_answers_from_the_draft_and_says_so() {
 
 #[tokio::test]
 async fn verifier_failing_mid_stream_ends_the_stream_with_an_error_event() {
-    let mut scorer = FakeScorer::new();
+    let mut scorer = fake_scorer();
     scorer.fail_after = Some(3);
     let verifier = start_verifier(scorer, &[]).await;
     let gateway = start_gateway(&verifier.url, &["--verify-retries", "1"]).await;
@@ -295,8 +295,8 @@ async fn verifier_failing_mid_stream_ends_the_stream_with_an_error_event() {
 
 #[tokio::test]
 async fn client_disconnect_stops_verify_calls() {
-    let mut scorer = FakeScorer::new();
-    scorer.delay = Duration::from_millis(100);
+    let mut scorer = fake_scorer();
+    scorer.delay = |_| Duration::from_millis(100);
     let calls = scorer.calls.clone();
     let verifier = start_verifier(scorer, &[]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "1"]).await;
@@ -315,7 +315,7 @@ async fn client_disconnect_stops_verify_calls() {
 
 #[tokio::test]
 async fn api_key_guards_everything_but_health() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--api-key", "gkey"]).await;
     let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
     assert_eq!(status, 401);
@@ -336,9 +336,24 @@ async fn api_key_guards_everything_but_health() {
 
 #[tokio::test]
 async fn wrong_verifier_key_is_a_502_not_a_hang() {
-    let verifier = start_verifier(FakeScorer::new(), &[]).await;
+    let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--verifier-api-key", "wrong"]).await;
     let (status, headers, body) = chat(&gateway.url, hello(json!({}))).await;
     assert_eq!(status, 502, "{body}");
     assert_eq!(headers["x-should-retry"], "false");
+}
+
+#[tokio::test]
+async fn health_refuses_a_draft_len_over_the_verifiers_max_draft() {
+    let verifier = start_verifier(fake_scorer(), &["--max-draft", "2"]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
+    let r = client().get(format!("{}/health", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["status"], "verifier_mismatch", "{body}");
+    assert!(body["detail"].as_str().unwrap().contains("at most 2 (its --max-draft)"), "{body}");
+    // A chat request says the same, as a 502 from the gateway rather than a 400 per verify call.
+    let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("--max-draft"), "{body}");
 }

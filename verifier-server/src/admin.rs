@@ -1,14 +1,15 @@
 //! `/health`, `/v1/info`, `/metrics`.
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
 use spade_core::protocol::ModelInfo;
 use spade_core::ErrorBody;
+use spade_http::Json;
 use utoipa::ToSchema;
 
-use crate::error::{ApiError, Json};
+use crate::error::ApiError;
 use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
@@ -24,13 +25,14 @@ pub struct Health {
     (status = 503, description = "Model still loading", body = Health),
 ))]
 pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
-    let ready = state.is_ready();
+    let ready = state.target_model.is_loaded();
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     let body = Health { status: if ready { "ready" } else { "loading" }.into(), model: state.model_id.clone() };
     (status, Json(body))
 }
 
-/// The model gateways must match: vocabulary size and tokenizer fingerprint.
+/// The model gateways must match (vocabulary size and tokenizer fingerprint) and the limits their
+/// calls must respect (context, draft length, `top_logprobs`).
 #[utoipa::path(get, path = "/v1/info", responses(
     (status = 200, description = "Model facts", body = ModelInfo),
     (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
@@ -43,6 +45,8 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
         vocab_size: meta.vocab_size,
         tokenizer_fingerprint: meta.tokenizer_fingerprint,
         max_context: meta.max_context,
+        max_draft: u32::try_from(state.limits.max_draft).unwrap_or(u32::MAX),
+        max_top_logprobs: state.limits.max_top_logprobs,
     }))
 }
 
@@ -53,14 +57,5 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
 ), security(("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (sessions, bytes) = state.sessions.usage();
-    let text = state.metrics.render(sessions, bytes, state.admission.waiting(), state.is_ready());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text)
-}
-
-pub async fn not_found() -> ApiError {
-    ApiError::NotFound
-}
-
-pub async fn method_not_allowed() -> ApiError {
-    ApiError::MethodNotAllowed
+    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.waiting(), state.target_model.is_loaded()))
 }

@@ -1,30 +1,16 @@
 //! Command line and environment: the one place configuration is read.
 
-use std::net::{IpAddr, SocketAddr};
-
-use clap::{Parser, Subcommand};
+use clap::Parser;
+use spade_core::limits::DEFAULT_MAX_DRAFT;
+use spade_http::{Command, ServerArgs};
 
 #[derive(Debug, Clone, Parser)]
 #[command(name = "spade-verifier", version, about = "SPADE cloud verifier: scores draft blocks with the large model")]
 pub struct Config {
-    #[command(subcommand)]
-    pub command: Option<Command>,
-
     /// Target model: a local GGUF file (llama or qwen2 architecture), or `owner/repo:file.gguf` on the
     /// Hugging Face hub where a network exists.
     #[arg(long, env = "SPADE_VERIFIER_MODEL")]
     pub model: Option<String>,
-
-    /// Address to bind. Binding anything but loopback requires --api-key.
-    #[arg(long, env = "SPADE_VERIFIER_HOST", default_value = "127.0.0.1")]
-    pub host: IpAddr,
-
-    #[arg(long, env = "SPADE_VERIFIER_PORT", default_value_t = 8081)]
-    pub port: u16,
-
-    /// Bearer token every call except /health must present.
-    #[arg(long, env = "SPADE_VERIFIER_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
 
     /// Memory for per-session KV caches, in MiB; least recently used sessions are evicted beyond it.
     #[arg(long, env = "SPADE_VERIFIER_CACHE_BUDGET_MB", default_value_t = 2048)]
@@ -42,41 +28,28 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_THREADS")]
     pub threads: Option<usize>,
 
-    /// Largest accepted request body, in bytes.
-    #[arg(long, env = "SPADE_VERIFIER_MAX_BODY_BYTES", default_value_t = 8 * 1024 * 1024)]
-    pub max_body_bytes: usize,
-
-    /// Most draft tokens one call may carry.
-    #[arg(long, env = "SPADE_VERIFIER_MAX_DRAFT", default_value_t = 32)]
+    /// Most draft tokens one call may carry (reported in /v1/info: gateways drafting more are not ready).
+    #[arg(long, env = "SPADE_VERIFIER_MAX_DRAFT", default_value_t = DEFAULT_MAX_DRAFT)]
     pub max_draft: usize,
 
-    /// Log filter (tracing-subscriber syntax), e.g. `info` or `spade_verifier=debug`.
-    #[arg(long, env = "SPADE_VERIFIER_LOG", default_value = "info")]
-    pub log: String,
+    // Binding anything but loopback requires --api-key (see `check`).
+    #[command(flatten)]
+    pub server: ServerArgs<VerifierFlags>,
 
-    /// Log as JSON lines.
-    #[arg(long, env = "SPADE_VERIFIER_LOG_JSON")]
-    pub log_json: bool,
+    #[command(subcommand)]
+    pub command: Option<Command>,
 }
 
-#[derive(Debug, Clone, Subcommand)]
-pub enum Command {
-    /// Print the OpenAPI document and exit.
-    Openapi,
-}
+spade_http::server_profile!(VerifierFlags, "SPADE_VERIFIER", port = "8081", max_body_bytes = "8388608");
 
 impl Config {
-    pub fn addr(&self) -> SocketAddr {
-        SocketAddr::new(self.host, self.port)
-    }
-
     /// Refuses settings that would expose an unauthenticated verifier or cannot work.
     pub fn check(&self) -> Result<(), String> {
         if self.model.is_none() {
             return Err("--model (or SPADE_VERIFIER_MODEL) is required: a GGUF file or owner/repo:file.gguf".into());
         }
-        if !self.host.is_loopback() && self.api_key.as_deref().is_none_or(str::is_empty) {
-            return Err(format!("refusing to bind {} without --api-key (SPADE_VERIFIER_API_KEY): the verifier would be open to anyone", self.host));
+        if !self.server.host.is_loopback() && self.server.api_key().is_none() {
+            return Err(format!("refusing to bind {} without --api-key (SPADE_VERIFIER_API_KEY): the verifier would be open to anyone", self.server.host));
         }
         if self.workers == 0 || self.max_draft == 0 {
             return Err("--workers and --max-draft must be at least 1".into());

@@ -8,9 +8,10 @@ use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
 use spade_core::{DraftToken, ErrorBody, SamplingParams};
 use spade_engine::round::verify_round;
 use spade_engine::ModelMeta;
+use spade_http::{Json, RequestError};
 use tokio::sync::Mutex as AsyncMutex;
 
-use crate::error::{ApiError, Json};
+use crate::error::ApiError;
 use crate::sessions::Session;
 use crate::state::{AppState, Limits};
 
@@ -26,10 +27,7 @@ struct ValidVerify {
 }
 
 fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<ValidVerify, ApiError> {
-    req.sampling.validate().map_err(|e| match e {
-        spade_core::SamplingError::InvalidParam { name, .. } => ApiError::invalid(format!("sampling.{name}"), e.to_string()),
-        other => ApiError::invalid("sampling", other.to_string()),
-    })?;
+    req.sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(Some("sampling")), code: None })?;
     if let Some(id) = &req.session_id {
         if id.is_empty() || id.len() > limits.max_session_id_len {
             return Err(ApiError::invalid("session_id", format!("session_id must be 1 to {} bytes", limits.max_session_id_len)));
@@ -41,8 +39,7 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     if req.draft.len() > limits.max_draft {
         return Err(ApiError::invalid("draft", format!("{} draft tokens; at most {} per call", req.draft.len(), limits.max_draft)));
     }
-    let top_logprobs = req.top_logprobs.map(usize::from);
-    if top_logprobs.is_some_and(|n| n > limits.max_top_logprobs) {
+    if req.top_logprobs.is_some_and(|n| n > limits.max_top_logprobs) {
         return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {}", limits.max_top_logprobs)));
     }
     if let Some(&t) = req.context.iter().find(|&&t| t >= meta.vocab_size) {
@@ -50,11 +47,12 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     }
     let total = req.context_start as usize + req.context.len() + req.draft.len();
     if total > meta.max_context as usize {
-        return Err(ApiError::Invalid {
+        return Err(RequestError::Invalid {
             message: format!("context plus draft is {total} tokens; the model's maximum is {}", meta.max_context),
             param: Some("context".into()),
             code: Some("context_length_exceeded"),
-        });
+        }
+        .into());
     }
     if req.context_start == 0 && req.context.is_empty() {
         return Err(ApiError::invalid("context", "the context is empty"));
@@ -77,7 +75,7 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
         drafts,
         sampling: req.sampling,
         seed: req.seed,
-        top_logprobs,
+        top_logprobs: req.top_logprobs.map(usize::from),
     })
 }
 
@@ -186,6 +184,6 @@ pub async fn end_session(State(state): State<AppState>, Path(id): Path<String>) 
     if state.sessions.remove(&id) {
         Ok(StatusCode::NO_CONTENT)
     } else {
-        Err(ApiError::NotFound)
+        Err(RequestError::NotFound.into())
     }
 }

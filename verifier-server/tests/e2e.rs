@@ -2,8 +2,6 @@
 //! to the scorer's logits, repeated calls agree, sessions append, and 16 concurrent sessions under
 //! load stay within the cache budget.
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -12,66 +10,24 @@ use serde_json::{json, Value};
 use spade_core::protocol::WireDraftToken;
 use spade_core::{distribution, verify_block, DraftToken, SamplingParams};
 use spade_engine::{CandleScorer, Scorer};
+use spade_test_support::models::tiny;
+use spade_test_support::process::Server;
+use spade_test_support::rss_mb;
 
 const KEY: &str = "e2e-key";
 
-fn tiny() -> PathBuf {
-    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let p = dir.join("SmolLM2-135M-Instruct-Q4_1.gguf");
-    assert!(p.is_file(), "{} is missing: run scripts/fetch-models.sh", p.display());
-    p
-}
-
-struct Server {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 async fn start(extra: &[&str]) -> Server {
-    let port = free_port();
-    let child = Command::new(env!("CARGO_BIN_EXE_spade-verifier"))
-        .args(["--model", tiny().to_str().unwrap(), "--port", &port.to_string(), "--api-key", KEY, "--log", "warn"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("spawn spade-verifier");
-    let server = Server { child, url: format!("http://127.0.0.1:{port}") };
-    let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if let Ok(r) = client.get(format!("{}/health", server.url)).send().await {
-            if r.status() == 200 {
-                return server;
-            }
-        }
-        assert!(Instant::now() < deadline, "verifier did not become ready");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    let tiny = tiny();
+    let mut args = vec!["--model", tiny.to_str().unwrap(), "--api-key", KEY, "--log", "warn"];
+    args.extend_from_slice(extra);
+    let server = Server::spawn(std::path::Path::new(env!("CARGO_BIN_EXE_spade-verifier")), "verifier-e2e", 0, &args, &[]);
+    server.wait_ready().await;
+    server
 }
 
 async fn post(client: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
     let r = client.post(format!("{url}/verify")).bearer_auth(KEY).json(body).send().await.expect("send");
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
-}
-
-fn rss_mb(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,55 +8,26 @@ use axum::body::Body;
 use axum::http::{header, Request, StatusCode};
 use clap::Parser;
 use serde_json::{json, Value};
-use spade_engine::{EngineError, ModelMeta, ScoreSession, Scorer};
+use spade_test_support::fake::{meta, FakeScorer};
 use spade_verifier::{router, Config, Verifier};
 use tower::ServiceExt;
 
 const VOCAB: u32 = 32;
 const SLOW_TOKEN: u32 = 30;
 
-/// Logits peak at (7 * last token) % 32; a context starting with SLOW_TOKEN takes 300 ms.
-struct FakeScorer {
-    meta: ModelMeta,
-}
-
-struct FakeSession {
-    tokens: Vec<u32>,
-}
-
 fn next_of(t: u32) -> u32 {
     (t * 7 + 1) % VOCAB
 }
 
-impl ScoreSession for FakeSession {
-    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
-        if n_logits == 0 || n_logits > tokens.len() {
-            return Err(EngineError::InvalidRequest("bad n_logits".into()));
-        }
-        if tokens[0] == SLOW_TOKEN {
-            std::thread::sleep(Duration::from_millis(300));
-        }
-        self.tokens = tokens.to_vec();
-        Ok(tokens[tokens.len() - n_logits..].iter().map(|&t| (0..VOCAB).map(|j| -((j as f32 - next_of(t) as f32).abs())).collect()).collect())
-    }
-    fn cached_tokens(&self) -> &[u32] {
-        &self.tokens
-    }
-    fn truncate(&mut self, len: usize) {
-        self.tokens.truncate(len);
-    }
-    fn memory_bytes(&self) -> usize {
-        self.tokens.len() * 1000
-    }
-}
-
-impl Scorer for FakeScorer {
-    fn meta(&self) -> &ModelMeta {
-        &self.meta
-    }
-    fn new_session(&self) -> Box<dyn ScoreSession> {
-        Box::new(FakeSession { tokens: Vec::new() })
-    }
+/// Logits peak at (7 * last token + 1) % 32 and fall off linearly; a context starting with
+/// SLOW_TOKEN takes 300 ms.
+fn scorer() -> FakeScorer {
+    let mut scorer = FakeScorer::new(meta("fake", VOCAB, 64), |tokens| {
+        let next = next_of(*tokens.last().unwrap());
+        (0..VOCAB).map(|j| -((j as f32 - next as f32).abs())).collect()
+    });
+    scorer.delay = |tokens| if tokens[0] == SLOW_TOKEN { Duration::from_millis(300) } else { Duration::ZERO };
+    scorer
 }
 
 fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
@@ -64,17 +35,7 @@ fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
     args.extend_from_slice(extra);
     let verifier = Arc::new(Verifier::new(&Config::parse_from(args)));
     if ready {
-        verifier.set_scorer(Arc::new(FakeScorer {
-            meta: ModelMeta {
-                name: "fake".into(),
-                architecture: "fake".into(),
-                vocab_size: VOCAB,
-                stop_token_ids: vec![31],
-                tokenizer_fingerprint: "f".repeat(64),
-                max_context: 64,
-                chat_template: None,
-            },
-        }));
+        verifier.target_model.set(Arc::new(scorer()));
     }
     verifier
 }
@@ -224,6 +185,10 @@ async fn authentication_is_required_except_for_health() {
     assert_eq!(call(&st, "GET", "/health", None, None).await.0, StatusCode::OK);
     let (s, v, _) = call(&st, "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
+    // The limits a gateway must respect, so it can check its settings before it is ready.
+    assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
+    let (_, v, _) = call(&state(&["--max-draft", "2"], true), "GET", "/v1/info", Some("sekret"), None).await;
+    assert_eq!(v["max_draft"].as_u64(), Some(2));
 }
 
 #[tokio::test]

@@ -79,6 +79,10 @@ impl KvCache {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Drops positions from `len` on and trims spare capacity to [`HEADROOM`] positions, so the bytes a
     /// session reports are the bytes it holds.
     pub fn truncate(&mut self, len: usize, row: usize) {
@@ -146,7 +150,7 @@ impl Transformer {
         let theta = gguf.f32(&key("rope.freq_base")).unwrap_or(10_000.0) as f64;
         let n_layers = gguf.u32(&key("block_count"))? as usize;
         let eps = gguf.f32(&key("attention.layer_norm_rms_epsilon"))?;
-        if n_heads % n_kv_heads != 0 || rope_dim > head_dim || rope_dim % 2 != 0 {
+        if !n_heads.is_multiple_of(n_kv_heads) || rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
             return Err(EngineError::Unsupported(format!("head layout {n_heads}/{n_kv_heads}/{head_dim}/{rope_dim}")));
         }
 

@@ -1,21 +1,9 @@
-//! Shared helpers for the engine's real-model tests. Models come from `scripts/fetch-models.sh`.
-#![allow(dead_code)]
-
-use std::path::PathBuf;
+//! Shared helpers for the engine's real-model tests (model paths from spade-test-support).
+#![allow(dead_code, unused_imports)]
 
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::{CandleScorer, MistralDrafter, ModelSource};
-
-pub const TINY: &str = "SmolLM2-135M-Instruct-Q4_1.gguf";
-pub const DRAFT: &str = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
-pub const TARGET: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
-
-pub fn model_path(name: &str) -> PathBuf {
-    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let path = dir.join(name);
-    assert!(path.is_file(), "{} is missing: run scripts/fetch-models.sh first", path.display());
-    path
-}
+pub use spade_test_support::models::{model_path, DRAFT, TARGET, TINY};
 
 pub fn scorer(name: &str) -> CandleScorer {
     CandleScorer::load(&model_path(name)).expect("load scorer")

@@ -1,75 +1,26 @@
 //! Real processes for end-to-end tests: spade-verifier and spade-gateway as children on loopback
 //! with the tiny real model, plus the client calls the tests share.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 use spade_engine::speculative::{generate, GenerateParams};
-use spade_engine::{CandleScorer, EdgeModel, MistralDrafter, ModelSource, Scorer};
+use spade_engine::{CandleScorer, EdgeModel, MistralDrafter, ModelSource, Role, Scorer};
+pub use spade_test_support::models::tiny;
+use spade_test_support::process::unless_given;
+pub use spade_test_support::process::{free_port, Server};
 
 pub const KEY: &str = "e2e-key";
 
-pub fn tiny() -> PathBuf {
-    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
-    let p = dir.join("SmolLM2-135M-Instruct-Q4_1.gguf");
-    assert!(p.is_file(), "{} is missing: run scripts/fetch-models.sh", p.display());
-    p
-}
-
+/// Built next to the gateway: the test command builds the whole workspace.
 fn verifier_bin() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).with_file_name("spade-verifier");
-    assert!(p.is_file(), "{} is missing: run `cargo build --workspace` (or the README's test command)", p.display());
-    p
+    PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).with_file_name("spade-verifier")
 }
 
-pub struct Proc {
-    pub child: Child,
-    pub url: String,
-    pub port: u16,
-    /// Where stderr goes (logs), when captured.
-    pub log: Option<PathBuf>,
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Proc {
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    pub fn rss_mb(&self) -> f64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .unwrap_or_default()
-            .lines()
-            .find(|l| l.starts_with("VmRSS:"))
-            .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
-            .map_or(0.0, |kb| kb / 1024.0)
-    }
-
-    pub fn log_text(&self) -> String {
-        self.log.as_ref().map(|p| std::fs::read_to_string(p).unwrap_or_default()).unwrap_or_default()
-    }
-}
-
-/// The default flags that `extra` does not set itself (clap refuses a flag given twice).
-fn defaults<'a>(extra: &[&str], flags: &[(&'a str, &'a str)]) -> Vec<&'a str> {
-    flags.iter().filter(|(f, _)| !extra.contains(f)).flat_map(|(f, v)| [*f, *v]).collect()
-}
-
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
+/// Status and body of `/health` (0 where nothing answers).
 pub async fn health(url: &str) -> (u16, Value) {
     match reqwest::Client::new().get(format!("{url}/health")).timeout(Duration::from_secs(10)).send().await {
         Ok(r) => (r.status().as_u16(), r.json().await.unwrap_or(Value::Null)),
@@ -77,69 +28,40 @@ pub async fn health(url: &str) -> (u16, Value) {
     }
 }
 
-pub async fn wait_ready(url: &str, what: &str) {
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while health(url).await.0 != 200 {
-        assert!(Instant::now() < deadline, "{what} did not become ready");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-/// Both output streams go to one file (tracing writes to stdout, panics to stderr).
-fn log_sink(path: &std::path::Path) -> Stdio {
-    let file = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
-    Stdio::from(file)
-}
-
-fn log_file(name: &str, port: u16) -> PathBuf {
-    std::env::temp_dir().join(format!("spade-test-{name}-{port}.log"))
+/// A verifier with the tiny model on `port` (0 = a free one), not waited for.
+pub fn spawn_verifier_on(port: u16, extra: &[&str]) -> Server {
+    let tiny = tiny();
+    let mut args = vec!["--model", tiny.to_str().unwrap()];
+    args.extend(unless_given(extra, &[("--log", "warn")]));
+    args.extend_from_slice(extra);
+    Server::spawn(&verifier_bin(), "verifier", port, &args, &[("SPADE_VERIFIER_API_KEY", KEY)])
 }
 
 /// A verifier on `port` (0 = a free one), ready.
-pub async fn start_verifier_on(port: u16, extra: &[&str]) -> Proc {
-    let port = if port == 0 { free_port() } else { port };
-    let log = log_file("verifier", port);
-    let _ = std::fs::remove_file(&log);
-    let child = Command::new(verifier_bin())
-        .args(["--model", tiny().to_str().unwrap(), "--port", &port.to_string()])
-        .args(defaults(extra, &[("--log", "warn")]))
-        .args(extra)
-        .env("SPADE_VERIFIER_API_KEY", KEY)
-        .stdout(log_sink(&log))
-        .stderr(log_sink(&log))
-        .spawn()
-        .expect("spawn spade-verifier");
-    let p = Proc { child, url: format!("http://127.0.0.1:{port}"), port, log: Some(log) };
-    wait_ready(&p.url, "spade-verifier").await;
-    p
+pub async fn start_verifier_on(port: u16, extra: &[&str]) -> Server {
+    let verifier = spawn_verifier_on(port, extra);
+    verifier.wait_ready().await;
+    verifier
 }
 
-pub async fn start_verifier() -> Proc {
+pub async fn start_verifier() -> Server {
     start_verifier_on(0, &[]).await
 }
 
 /// A gateway drafting with the tiny model; waits for /health unless `wait` is false.
-pub async fn spawn_gateway(verifier: &str, extra: &[&str], wait: bool) -> Proc {
-    let port = free_port();
-    let log = log_file("gateway", port);
-    let _ = std::fs::remove_file(&log);
-    let child = Command::new(env!("CARGO_BIN_EXE_spade-gateway"))
-        .args(["--draft-model", tiny().to_str().unwrap(), "--verifier-url", verifier, "--port", &port.to_string()])
-        .args(defaults(extra, &[("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")]))
-        .args(extra)
-        .env("SPADE_VERIFIER_API_KEY", KEY)
-        .stdout(log_sink(&log))
-        .stderr(log_sink(&log))
-        .spawn()
-        .expect("spawn spade-gateway");
-    let p = Proc { child, url: format!("http://127.0.0.1:{port}"), port, log: Some(log) };
+pub async fn spawn_gateway(verifier: &str, extra: &[&str], wait: bool) -> Server {
+    let tiny = tiny();
+    let mut args = vec!["--draft-model", tiny.to_str().unwrap(), "--verifier-url", verifier];
+    args.extend(unless_given(extra, &[("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")]));
+    args.extend_from_slice(extra);
+    let gateway = Server::spawn(PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).as_path(), "gateway", 0, &args, &[("SPADE_VERIFIER_API_KEY", KEY)]);
     if wait {
-        wait_ready(&p.url, "spade-gateway").await;
+        gateway.wait_ready().await;
     }
-    p
+    gateway
 }
 
-pub async fn start_gateway(verifier: &str, extra: &[&str]) -> Proc {
+pub async fn start_gateway(verifier: &str, extra: &[&str]) -> Server {
     spawn_gateway(verifier, extra, true).await
 }
 
@@ -207,12 +129,12 @@ pub async fn stream(url: &str, body: &Value) -> Streamed {
 
 /// Target-only greedy decoding in-process, through the same chat template and tokenizer.
 pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
-    let source = ModelSource::parse(tiny().to_str().unwrap()).unwrap();
+    let source = ModelSource::Local(tiny());
     let edge = MistralDrafter::load(&source, Default::default()).await.unwrap();
     let scorer = CandleScorer::load(&tiny()).unwrap();
     let mut out = Vec::new();
     for prompt in prompts {
-        let ids = edge.encode_chat(&[("user".into(), prompt.to_string())]).await.unwrap();
+        let ids = edge.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
         let params = GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: 0,

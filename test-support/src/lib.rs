@@ -1,0 +1,20 @@
+//! What SPADE's tests share (dev-only):
+//!
+//! - [`models`]: where the real test models are.
+//! - [`process`]: a server binary as a child process on a free loopback port, logs captured, killed on drop.
+//! - [`fake`]: deterministic scorer and edge model, for router tests only (everything else uses real models).
+//! - [`rss_mb`]: a process's resident memory.
+
+pub mod fake;
+pub mod models;
+pub mod process;
+
+/// Resident memory of process `pid` in MiB (0 where /proc cannot say).
+pub fn rss_mb(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
