@@ -271,8 +271,8 @@ pub struct LocalVerifier<'a> {
 #[async_trait::async_trait]
 impl BlockVerifier for LocalVerifier<'_> {
     async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
-        let round = verify_round(self.session, context, drafts, &self.sampling, self.seed, self.top_logprobs)
-            .map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
+        let round =
+            verify_round(self.session, context, drafts, &self.sampling, self.seed, self.top_logprobs).map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
         Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs })
     }
 }
@@ -308,12 +308,7 @@ pub struct Generation {
 }
 
 /// The loop in-process, on a fresh draft cache (so that a seeded run reproduces).
-pub async fn generate(
-    drafter: Option<&dyn Drafter>,
-    target: &mut dyn ScoreSession,
-    prompt: &[u32],
-    params: &GenerateParams,
-) -> Result<Generation, LoopError> {
+pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSession, prompt: &[u32], params: &GenerateParams) -> Result<Generation, LoopError> {
     params.sampling.validate().map_err(EngineError::from)?;
     if let Some(drafter) = drafter {
         drafter.begin_generation(true).await;

@@ -9,10 +9,11 @@
 mod common;
 
 use common::*;
+use spade_core::openai::Role;
 use spade_core::{distribution, SamplingParams};
 use spade_engine::drafter::{DraftParams, DrafterOptions};
 use spade_engine::speculative::{self, Collect, LocalVerifier, LoopParams, WhenUnreachable};
-use spade_engine::{Drafter, EdgeModel, Scorer};
+use spade_engine::{Drafter, EdgeModel as _, Scorer};
 
 const SAMPLES: u64 = 700;
 
@@ -26,7 +27,7 @@ fn critical(df: usize) -> f64 {
 async fn drafted_tokens_follow_the_targets_distribution() {
     let target = scorer(TINY);
     let draft = drafter(TINY, DrafterOptions::default()).await;
-    let prompt = draft.encode_chat(&[("user".into(), "Name a colour.".to_string())]).await.unwrap();
+    let prompt = draft.encode_chat(&[(Role::User, "Name a colour.".to_string())]).await.unwrap();
     let sampling = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
     let draft_sampling = SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
 

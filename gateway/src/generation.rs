@@ -164,7 +164,11 @@ impl Output {
     fn logprob_content(&self, lp: &TokenLogprob) -> Result<TokenLogprobContent, EngineError> {
         let piece = |t: u32| self.model.decode(&[t]);
         let token = piece(lp.token)?;
-        let top = lp.top.iter().map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob })).collect::<Result<_, EngineError>>()?;
+        let top = lp
+            .top
+            .iter()
+            .map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob }))
+            .collect::<Result<_, EngineError>>()?;
         Ok(TokenLogprobContent { bytes: Some(token.clone().into_bytes()), token, logprob: lp.logprob, top_logprobs: top })
     }
 }

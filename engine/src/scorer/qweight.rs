@@ -1,19 +1,18 @@
 //! Quantized weight matrices with a multi-row matmul.
 //!
-//! candle's CPU quantized matmul is a loop of per-row GEMVs: scoring k positions reads every weight
-//! k times. Here each weight row is dotted with all k activation rows while it is in cache, so a block
-//! costs about one weight pass. The per-element arithmetic is candle's own (`GgmlType::vec_dot` on
-//! activations quantized by `from_float`), so a row's result does not depend on how many rows are in
-//! the block: scoring a block gives bit-identical logits to scoring its positions one at a time.
+//! candle's stock CPU quantized matmul is a loop of per-row GEMVs: scoring k positions reads every
+//! weight k times. With patches/candle-core+0.10.2.patch, `k_quants::matmul` is a multi-row matmul:
+//! activation rows are quantized once (`from_float`), weight rows are split in chunks over rayon's
+//! threads, and each weight row is dotted with tiles of up to 4 activation rows through
+//! `GgmlType::vec_dot_rows`, which unpacks every weight block once per tile. Per (row, column) it
+//! runs exactly the single-row `vec_dot`, so a row's result does not depend on how many rows are
+//! in the block: scoring a block gives bit-identical logits to scoring its positions one at a time,
+//! and the same logits as candle's `QMatMul` (which calls the same function).
 
 use candle_core::quantized::k_quants::*;
 use candle_core::quantized::{GgmlDType, GgmlType, QTensor};
-use rayon::prelude::*;
 
 use crate::EngineError;
-
-/// Weight rows processed per parallel task.
-const ROWS_PER_TASK: usize = 64;
 
 trait Kernel: Send + Sync {
     /// dst[r * n + c] = lhs_row(r) . weight_row(c), for m rows of length k.
@@ -25,31 +24,9 @@ struct Blocks<T: GgmlType>(Vec<T>);
 
 impl<T: GgmlType> Kernel for Blocks<T> {
     fn matmul(&self, lhs: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
-        let kb = k / T::BLCK_SIZE;
-        let mut lhs_q = vec![T::VecDotType::zeros(); m * kb];
-        if T::DIRECT_COPY {
-            T::VecDotType::direct_copy(lhs, &mut lhs_q);
-        } else {
-            for r in 0..m {
-                T::VecDotType::from_float(&lhs[r * k..(r + 1) * k], &mut lhs_q[r * kb..(r + 1) * kb]);
-            }
-        }
-        // Column-major scratch so each task owns a contiguous slice, then transpose.
-        let mut dst_t = vec![0f32; n * m];
-        dst_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each(|(task, chunk)| {
-            for (j, out) in chunk.chunks_mut(m).enumerate() {
-                let c = task * ROWS_PER_TASK + j;
-                let w = &self.0[c * kb..(c + 1) * kb];
-                for (r, o) in out.iter_mut().enumerate() {
-                    *o = T::vec_dot(k, w, &lhs_q[r * kb..(r + 1) * kb]);
-                }
-            }
-        });
-        for r in 0..m {
-            for c in 0..n {
-                dst[r * n + c] = dst_t[c * m + r];
-            }
-        }
+        // The patched candle multi-row matmul (tiles of `vec_dot_rows`); it only fails on a length
+        // mismatch, which `QWeight::forward` rules out.
+        candle_core::quantized::k_quants::matmul((m, k, n), lhs, &self.0, dst).expect("quantized matmul shapes");
     }
 
     fn dequantize_row(&self, row: usize, k: usize, out: &mut [f32]) {
@@ -154,8 +131,12 @@ mod tests {
             let xt = Tensor::from_vec(x.clone(), (m, k), &dev).unwrap();
             let want: Vec<f32> = candle_core::Module::forward(&reference, &xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
             assert_eq!(ours.forward(&x, m), want, "{dtype:?}");
-            // And one row alone equals that row in the block.
-            assert_eq!(ours.forward(&x[2 * k..3 * k], 1), want[2 * n..3 * n].to_vec(), "{dtype:?} single row");
+            // And each row alone equals that row in the block, bit for bit.
+            for r in 0..m {
+                let alone = ours.forward(&x[r * k..(r + 1) * k], 1);
+                let same = alone.iter().zip(&want[r * n..(r + 1) * n]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} row {r} alone differs from the block");
+            }
         }
     }
 }
