@@ -13,7 +13,7 @@ use spade_core::openai::Role;
 use spade_core::{distribution, SamplingParams};
 use spade_engine::drafter::{DraftParams, DrafterOptions};
 use spade_engine::speculative::{self, Collect, LocalVerifier, LoopParams, WhenUnreachable};
-use spade_engine::{Drafter, EdgeModel as _, Scorer};
+use spade_engine::{Drafter, Scorer};
 
 const SAMPLES: u64 = 700;
 
