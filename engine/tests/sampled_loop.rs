@@ -12,16 +12,11 @@ use common::*;
 use spade_core::openai::Role;
 use spade_core::{distribution, SamplingParams};
 use spade_engine::drafter::{DraftParams, DrafterOptions};
-use spade_engine::speculative::{self, Collect, LocalVerifier, LoopParams, WhenUnreachable};
+use spade_engine::speculative::{self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable};
 use spade_engine::{Drafter, Scorer};
+use spade_test_support::chi_square_critical as critical;
 
 const SAMPLES: u64 = 700;
-
-/// Chi-square critical value at significance 1e-4 (Wilson–Hilferty approximation).
-fn critical(df: usize) -> f64 {
-    let (df, z) = (df as f64, 3.719);
-    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_tokens_follow_the_targets_distribution() {
@@ -42,7 +37,8 @@ async fn drafted_tokens_follow_the_targets_distribution() {
     for seed in 0..SAMPLES {
         let params = LoopParams {
             max_new_tokens: 4,
-            draft_len: 3,
+            draft_len: DraftLength::Fixed(3),
+            draft_ahead: true,
             draft: DraftParams { sampling: draft_sampling, seed },
             stop_token_ids: Vec::new(),
             when_unreachable: WhenUnreachable::Fail,

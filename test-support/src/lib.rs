@@ -3,7 +3,7 @@
 //! - [`models`]: where the real test models are.
 //! - [`process`]: a server binary as a child process on a free loopback port, logs captured, killed on drop.
 //! - [`fake`]: deterministic scorer and edge model, for router tests only (everything else uses real models).
-//! - [`rss_mb`]: a process's resident memory.
+//! - [`rss_mb`]: a process's resident memory; [`chi_square_critical`]: the statistical tests' bound.
 
 pub mod fake;
 pub mod models;
@@ -17,4 +17,11 @@ pub fn rss_mb(pid: u32) -> f64 {
         .find(|l| l.starts_with("VmRSS:"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Chi-square critical value at significance 1e-4 for `df` degrees of freedom (Wilson–Hilferty
+/// approximation): the bound the statistical losslessness tests compare with.
+pub fn chi_square_critical(df: usize) -> f64 {
+    let (df, z) = (df as f64, 3.719);
+    df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
 }
