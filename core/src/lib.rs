@@ -5,11 +5,13 @@
 //! - [`verify`]: the speculative-sampling rule, general and greedy.
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
+//! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering and the constant-time secret comparison both servers use.
 //! - [`openai`], [`protocol`], [`error`]: wire types of the public API, of `/verify`, and the error body.
 
 pub mod dist;
+pub mod draft_control;
 pub mod error;
 pub mod limits;
 pub mod metrics;

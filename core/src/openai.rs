@@ -4,6 +4,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
+use crate::draft_control;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
@@ -76,11 +78,11 @@ pub struct ChatCompletionRequest {
     pub stop: Option<StopSequences>,
     #[serde(default)]
     pub seed: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub logprobs: bool,
     #[serde(default)]
     pub top_logprobs: Option<u8>,
@@ -104,6 +106,102 @@ pub struct ChatCompletionRequest {
     pub tool_choice: Option<Value>,
     #[serde(default)]
     pub user: Option<String>,
+    /// Extension: SPADE's own per-request settings.
+    #[serde(default)]
+    pub spade: Option<SpadeOptions>,
+}
+
+/// `null` where OpenAI accepts it for a field with a default.
+fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
+/// The `spade` object of a request.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SpadeOptions {
+    /// Draft tokens per verify call for this request: a number (0 = target-only decoding, one
+    /// verifier pass per token; at most the gateway's `--max-draft-len` and the verifier's
+    /// `--max-draft`) or `"auto"` (chosen each round from measured acceptance, draft speed, link and
+    /// verifier time). Default: the gateway's `--draft-len`.
+    #[serde(default)]
+    pub draft_len: Option<DraftLen>,
+}
+
+/// A draft length: `"auto"` or a fixed number of tokens per round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum DraftLen {
+    Fixed(u32),
+    Named(DraftLenName),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftLenName {
+    Auto,
+}
+
+impl Default for DraftLen {
+    fn default() -> Self {
+        Self::AUTO
+    }
+}
+
+impl DraftLen {
+    pub const AUTO: Self = Self::Named(DraftLenName::Auto);
+
+    /// The fixed length, None for `auto`.
+    pub fn fixed(self) -> Option<u32> {
+        match self {
+            Self::Fixed(n) => Some(n),
+            Self::Named(DraftLenName::Auto) => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for DraftLen {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{Error, Unexpected, Visitor};
+        struct Expect;
+        impl Visitor<'_> for Expect {
+            type Value = DraftLen;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a number of draft tokens or \"auto\"")
+            }
+            fn visit_u64<E: Error>(self, v: u64) -> Result<DraftLen, E> {
+                u32::try_from(v).map(DraftLen::Fixed).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+            }
+            fn visit_str<E: Error>(self, v: &str) -> Result<DraftLen, E> {
+                if v == "auto" {
+                    Ok(DraftLen::AUTO)
+                } else {
+                    Err(E::invalid_value(Unexpected::Str(v), &self))
+                }
+            }
+        }
+        d.deserialize_any(Expect)
+    }
+}
+
+impl std::str::FromStr for DraftLen {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::AUTO),
+            n => n.parse().map(Self::Fixed).map_err(|_| format!("{s:?} is neither \"auto\" nor a number of tokens")),
+        }
+    }
+}
+
+impl std::fmt::Display for DraftLen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.fixed() {
+            Some(n) => write!(f, "{n}"),
+            None => f.write_str("auto"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
@@ -160,11 +258,33 @@ pub struct CompletionTokensDetails {
 pub struct SpadeUsage {
     pub verify_calls: u32,
     pub mean_tokens_per_call: f64,
-    pub draft_len: u32,
+    /// The draft length this request ran with: a number, or `"auto"`.
+    pub draft_len: DraftLen,
+    /// Rounds that drafted ahead while a block was verified, and how many of those blocks were sent
+    /// (the verifier's answer confirmed the continuation they were drafted on).
+    pub ahead_drafted: u32,
+    pub ahead_used: u32,
+    pub timing: SpadeTiming,
+    /// Under `auto`: the last choice and the estimates it was made from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto: Option<draft_control::DraftChoice>,
     pub bytes_sent: u64,
     pub bytes_received: u64,
     /// True when the verifier was unreachable and the draft model answered alone.
     pub degraded: bool,
+}
+
+/// Where a generation's time went, in seconds.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+pub struct SpadeTiming {
+    /// Drafting the generation waited for.
+    pub draft_s: f64,
+    /// Drafting hidden under verify calls (draft-ahead).
+    pub overlap_s: f64,
+    /// Verify calls minus the verifier's own time: the link, both ways.
+    pub link_s: f64,
+    /// The verifier's own time (queue and forward passes), as it reports it.
+    pub verifier_s: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
@@ -253,5 +373,24 @@ mod tests {
         assert!(matches!(req.messages[1].content, Some(MessageContent::Parts(_))));
         assert_eq!(req.stop, Some(StopSequences::Many(vec!["\n\n".into(), "END".into()])));
         assert!(req.stream_options.unwrap().include_usage);
+    }
+
+    #[test]
+    fn null_where_openai_accepts_it_and_the_spade_extension() {
+        let req: ChatCompletionRequest = serde_json::from_value(serde_json::json!({
+            "messages": [{"role": "user", "content": "hi"}], "stream": null, "logprobs": null, "spade": {"draft_len": "auto"}
+        }))
+        .unwrap();
+        assert!(!req.stream && !req.logprobs);
+        assert_eq!(req.spade.unwrap().draft_len, Some(DraftLen::AUTO));
+        let fixed: SpadeOptions = serde_json::from_value(serde_json::json!({"draft_len": 3})).unwrap();
+        assert_eq!(fixed.draft_len.and_then(DraftLen::fixed), Some(3));
+        for bad in [serde_json::json!({"draft_len": "fast"}), serde_json::json!({"draft_len": -1}), serde_json::json!({"draftlen": 2})] {
+            assert!(serde_json::from_value::<SpadeOptions>(bad.clone()).is_err(), "{bad}");
+        }
+        assert_eq!("auto".parse::<DraftLen>(), Ok(DraftLen::AUTO));
+        assert_eq!("0".parse::<DraftLen>(), Ok(DraftLen::Fixed(0)));
+        assert!("x".parse::<DraftLen>().is_err());
+        assert_eq!(DraftLen::Fixed(4).to_string(), "4");
     }
 }

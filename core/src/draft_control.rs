@@ -1,0 +1,539 @@
+//! Draft-length control: how many tokens the edge drafts per round, chosen online.
+//!
+//! # Round model
+//!
+//! One round: the edge drafts `d` tokens (`d * t_draft`) and sends them; the call takes `rtt + V(d+1)`, where
+//! `V(rows) = a + b * rows` is the verifier's compute for `d + 1` scored rows; the verifier commits the accepted
+//! prefix plus one token (correction or bonus). With `alpha_i = P(position i accepted | all before accepted)`,
+//! a round commits `E(d) = sum_{j=0..=d} prod_{i<j} alpha_i` tokens on average.
+//!
+//! Draft-ahead: while the call is in flight the edge drafts the optimistic continuation (a guess of the bonus
+//! token, then the next block). It is used ("hit") when all `d` drafts are accepted and the guess equals the
+//! verifier's bonus, `P_hit(d) = prod_{i<d} alpha_i * beta`. A hit hides the next round's drafting under this
+//! call, so the round costs `max(rtt + V(d+1), (d+1) * t_draft)`; a miss costs `d * t_draft + rtt + V(d+1)`.
+//! Without draft-ahead every round is a miss. `d = 0` is plain target decoding: `E = 1`, `T = rtt + V(1)`.
+//!
+//! Each round picks the `d` in `0..=max` that maximises `E(d) / T(d)`, committed tokens per second (ties go
+//! to the smaller `d`): a long link makes every call expensive, so more drafts per call pay; a cheap link
+//! or a draft that is rarely accepted makes them waste draft and verifier time. Within a block,
+//! [`DraftController::keep_drafting`] stops early when the draft's own confidence says the rest is unlikely
+//! to be accepted: one more draft adds `P(all so far accepted) * alpha_next` expected tokens, worth
+//! `1 / rate` seconds each at the current rate, and costs `t_draft + b`.
+//!
+//! All inputs are exponentially weighted online estimates ([`Estimates`]), so they follow drift (a route
+//! change moving the RTT from 20 to 150 ms) within a few rounds. The gateway keeps one gateway-wide instance,
+//! clones it into each generation's [`DraftController`] and feeds it every generation's observations too.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+/// Buckets of the acceptance-by-confidence table, of equal width over `[0, 1]`.
+const BUCKETS: usize = 10;
+/// Weight of a new acceptance outcome (by position, by confidence, bonus guess): a generation whose text
+/// drafts unlike the gateway-wide average moves half-way to its own rate within ~4 outcomes.
+const ACCEPT_GAIN: f64 = 0.15;
+/// Weight of a new timing sample (RTT, draft step): links change abruptly, and 0.3 closes 97% of a step in 10 rounds.
+const TIME_GAIN: f64 = 0.3;
+/// Per-observation decay of the verifier-time fit's sums: slower than [`TIME_GAIN`] because a two-parameter
+/// fit needs a few distinct block sizes in its memory.
+const FIT_DECAY: f64 = 0.85;
+/// Pull of the fitted per-row time towards its previous value, in observations' weight. It makes the fit fall
+/// back to the previous (at first, prior) `b` when all remembered blocks have the same size, and is negligible otherwise.
+const FIT_RIDGE: f64 = 0.05;
+/// Most draft positions modelled, so an absurd `max_draft` or observation cannot allocate without bound.
+const MAX_POSITIONS: usize = 1024;
+/// Floor of a modelled round time, so rates stay finite when every cost is estimated at zero.
+const MIN_ROUND_S: f64 = 1e-6;
+/// Longest timing sample believed, in seconds: a longer call or draft is an outage, not a round to model.
+const MAX_SAMPLE_S: f64 = 600.0;
+/// Prior of every `alpha_i`, and its fallback if the table is ever empty.
+const ALPHA_PRIOR: f64 = 0.7;
+
+/// What one round showed, reported by the gateway after each `/verify` call.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundObservation {
+    /// Tokens in the block sent.
+    pub drafted: usize,
+    /// Leading drafts the verifier accepted (clamped to `drafted`).
+    pub accepted: usize,
+    /// `q(token)` of each drafted token, as drawn; missing or NaN entries are not learned from.
+    pub confidences: Vec<f32>,
+    /// Total foreground drafting time of this block; zero (pre-drafted under the last call) is not a sample.
+    pub draft_time: Duration,
+    /// Wall time of the `/verify` call; zero is not a sample.
+    pub call_latency: Duration,
+    /// The verifier's own compute time, when it reported one; without it the RTT is latency minus modelled `V`.
+    pub verifier_time: Option<Duration>,
+    /// `Some(matched)` when a bonus guess was drafted ahead and all drafts were accepted.
+    pub ahead_guess: Option<bool>,
+}
+
+/// Online estimates of the round model's inputs. `Default` holds the priors a fresh gateway starts from:
+/// `alpha_i = 0.7`, `beta = 0.6`, `t_draft = 30 ms`, `rtt = 10 ms`, `V(rows) = 80 ms + 8 ms * rows`, and an
+/// acceptance by confidence of `(0.7 + bucket centre) / 2`: draft confidence tends to track acceptance, but a
+/// fresh gateway should not trust it fully before it has seen outcomes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Estimates {
+    /// `alpha[i] = P(position i accepted | all before accepted)`; positions past the end use the last entry.
+    alpha: Vec<f64>,
+    /// P(the drafted-ahead bonus guess equals the verifier's bonus | all drafts accepted).
+    beta: f64,
+    /// P(a draft is accepted | all before accepted, its confidence in bucket k).
+    by_confidence: [f64; BUCKETS],
+    t_draft_s: f64,
+    rtt_s: f64,
+    verify_a_s: f64,
+    verify_b_s: f64,
+    /// Rounds observed, priors excluded.
+    rounds: u64,
+    #[serde(skip)]
+    fit: Fit,
+}
+
+/// Exponentially decayed sums of the weighted least-squares fit `V(rows) = a + b * rows`.
+#[derive(Clone, Debug, Default)]
+struct Fit {
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Default for Estimates {
+    fn default() -> Self {
+        let by_confidence = std::array::from_fn(|k| 0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64);
+        Self {
+            alpha: vec![ALPHA_PRIOR],
+            beta: 0.6,
+            by_confidence,
+            t_draft_s: 0.030,
+            rtt_s: 0.010,
+            verify_a_s: 0.080,
+            verify_b_s: 0.008,
+            rounds: 0,
+            fit: Fit::default(),
+        }
+    }
+}
+
+/// Moves `estimate` a `gain` of the way towards `sample`.
+fn ew(estimate: &mut f64, sample: f64, gain: f64) {
+    *estimate += gain * (sample - *estimate);
+}
+
+/// The confidence bucket of `c`, or `None` for NaN.
+fn bucket(c: f32) -> Option<usize> {
+    (!c.is_nan()).then(|| ((c.clamp(0.0, 1.0) as f64 * BUCKETS as f64) as usize).min(BUCKETS - 1))
+}
+
+impl Estimates {
+    /// `alpha_i`, the acceptance of draft position `i` given all before it were accepted.
+    pub fn alpha(&self, i: usize) -> f64 {
+        self.alpha.get(i).or(self.alpha.last()).copied().unwrap_or(ALPHA_PRIOR)
+    }
+
+    /// Estimated acceptance of a draft the draft model gave probability `confidence` (NaN: no information, `alpha_0`).
+    pub fn acceptance_at_confidence(&self, confidence: f32) -> f64 {
+        bucket(confidence).map_or(self.alpha(0), |k| self.by_confidence[k])
+    }
+
+    /// Modelled verifier compute for a block of `rows` scored rows, in seconds.
+    pub fn verify_time(&self, rows: usize) -> f64 {
+        self.verify_a_s + self.verify_b_s * rows as f64
+    }
+
+    /// `E(d)`: expected tokens committed by a round that drafts `d`.
+    pub fn expected_tokens(&self, d: usize) -> f64 {
+        let (mut sum, mut all_accepted) = (0.0, 1.0);
+        for j in 0..=d.min(MAX_POSITIONS) {
+            sum += all_accepted;
+            all_accepted *= self.alpha(j);
+        }
+        sum
+    }
+
+    /// `T(d)`: expected wall time of a round that drafts `d`, in seconds.
+    pub fn round_time(&self, d: usize, overlap: bool) -> f64 {
+        let d = d.min(MAX_POSITIONS);
+        self.round_time_given(d, (0..d).map(|i| self.alpha(i)).product(), overlap)
+    }
+
+    /// `T(d)` given `all_accepted = prod_{i<d} alpha_i`.
+    fn round_time_given(&self, d: usize, all_accepted: f64, overlap: bool) -> f64 {
+        let call = self.rtt_s + self.verify_time(d + 1);
+        let miss = d as f64 * self.t_draft_s + call;
+        if d == 0 || !overlap {
+            return miss.max(MIN_ROUND_S);
+        }
+        let p_hit = all_accepted * self.beta;
+        let hit = call.max((d + 1) as f64 * self.t_draft_s);
+        (p_hit * hit + (1.0 - p_hit) * miss).max(MIN_ROUND_S)
+    }
+
+    /// The `d` in `0..=max_draft` with the highest `E(d) / T(d)` (the smallest on ties), with its inputs.
+    fn best(&self, max_draft: usize, overlap: bool) -> DraftChoice {
+        let max_draft = max_draft.min(MAX_POSITIONS);
+        let (mut best, mut best_e, mut best_t, mut best_p) = (0, 1.0, self.round_time_given(0, 1.0, overlap), 1.0);
+        let (mut e, mut all_accepted) = (1.0, 1.0);
+        for d in 1..=max_draft {
+            all_accepted *= self.alpha(d - 1);
+            e += all_accepted;
+            let t = self.round_time_given(d, all_accepted, overlap);
+            if e / t > best_e / best_t {
+                (best, best_e, best_t, best_p) = (d, e, t, all_accepted);
+            }
+        }
+        DraftChoice {
+            draft: best,
+            expected_tokens: best_e,
+            round_time_s: best_t,
+            tokens_per_s: best_e / best_t,
+            p_hit: if overlap && best > 0 { best_p * self.beta } else { 0.0 },
+            overlap,
+            rtt_s: self.rtt_s,
+            t_draft_s: self.t_draft_s,
+            verify_a_s: self.verify_a_s,
+            verify_b_s: self.verify_b_s,
+            beta: self.beta,
+            alpha: (0..max_draft).map(|i| self.alpha(i)).collect(),
+        }
+    }
+
+    /// Learns from one round. Used both by a generation's controller and by the gateway-wide estimates.
+    pub fn observe(&mut self, round: &RoundObservation) {
+        let accepted = round.accepted.min(round.drafted);
+        // Positions before the first rejection were accepted, the first rejection was rejected, the rest unseen.
+        for i in 0..round.drafted.min(accepted.saturating_add(1)).min(MAX_POSITIONS) {
+            let outcome = if i < accepted { 1.0 } else { 0.0 };
+            if self.alpha.len() <= i {
+                let seed = self.alpha(i);
+                self.alpha.resize(i + 1, seed);
+            }
+            ew(&mut self.alpha[i], outcome, ACCEPT_GAIN);
+            if let Some(k) = round.confidences.get(i).copied().and_then(bucket) {
+                ew(&mut self.by_confidence[k], outcome, ACCEPT_GAIN);
+            }
+        }
+        if let Some(matched) = round.ahead_guess.filter(|_| round.drafted > 0 && accepted == round.drafted) {
+            ew(&mut self.beta, if matched { 1.0 } else { 0.0 }, ACCEPT_GAIN);
+        }
+        // Timing samples: zero means "not measured", and past MAX_SAMPLE_S or MAX_POSITIONS drafts it is not a round we model.
+        let sample = |t: Duration| Some(t.as_secs_f64()).filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS);
+        if let (Some(draft_s), true) = (sample(round.draft_time), round.drafted > 0) {
+            ew(&mut self.t_draft_s, draft_s / round.drafted as f64, TIME_GAIN);
+        }
+        let rows = round.drafted.saturating_add(1);
+        let verifier_s = round.verifier_time.and_then(sample);
+        if let Some(v) = verifier_s {
+            self.fit_verify(rows as f64, v);
+        }
+        if let Some(latency_s) = sample(round.call_latency) {
+            let compute = verifier_s.unwrap_or_else(|| self.verify_time(rows));
+            ew(&mut self.rtt_s, (latency_s - compute).max(0.0), TIME_GAIN);
+        }
+        self.rounds += 1;
+    }
+
+    /// Adds `(rows, seconds)` to the decayed least-squares fit of `V` and refits `a, b >= 0`.
+    fn fit_verify(&mut self, rows: f64, seconds: f64) {
+        let f = &mut self.fit;
+        for s in [&mut f.w, &mut f.x, &mut f.y, &mut f.xx, &mut f.xy] {
+            *s *= FIT_DECAY;
+        }
+        f.w += 1.0;
+        f.x += rows;
+        f.y += seconds;
+        f.xx += rows * rows;
+        f.xy += rows * seconds;
+        let (mean_x, mean_y) = (f.x / f.w, f.y / f.w);
+        let sxx = (f.xx - f.x * mean_x).max(0.0);
+        let sxy = f.xy - f.x * mean_y;
+        let mut b = (sxy + FIT_RIDGE * self.verify_b_s) / (sxx + FIT_RIDGE);
+        let mut a = mean_y - b * mean_x;
+        if b < 0.0 {
+            (a, b) = (mean_y, 0.0);
+        }
+        if a < 0.0 {
+            (a, b) = (0.0, (f.xy / f.xx).max(0.0));
+        }
+        (self.verify_a_s, self.verify_b_s) = (a, b);
+    }
+}
+
+/// The current choice of draft length and the inputs it was made from (for logs, usage and metrics).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DraftChoice {
+    /// Tokens to draft this round; 0 is plain target decoding.
+    pub draft: usize,
+    /// `E(draft)`: expected committed tokens per round.
+    pub expected_tokens: f64,
+    /// `T(draft)`: expected round time.
+    pub round_time_s: f64,
+    /// `E / T`, expected committed tokens per second.
+    pub tokens_per_s: f64,
+    /// Probability that the drafted-ahead continuation is used (0 without draft-ahead).
+    pub p_hit: f64,
+    pub overlap: bool,
+    pub rtt_s: f64,
+    pub t_draft_s: f64,
+    pub verify_a_s: f64,
+    pub verify_b_s: f64,
+    pub beta: f64,
+    /// `alpha_i` for `i` in `0..max_draft`.
+    pub alpha: Vec<f64>,
+}
+
+/// One generation's draft-length controller: call [`choose`](Self::choose) before each block,
+/// [`keep_drafting`](Self::keep_drafting) after each drafted token, [`observe`](Self::observe) after the call.
+#[derive(Clone, Debug)]
+pub struct DraftController {
+    max_draft: usize,
+    overlap: bool,
+    estimates: Estimates,
+    choice: DraftChoice,
+    /// Tokens drafted in the current block, and the estimated probability that all of them are accepted.
+    block_drafted: usize,
+    block_all_accepted: f64,
+}
+
+impl DraftController {
+    /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the gateway-wide estimates.
+    pub fn new(max_draft: usize, overlap: bool, seed: Estimates) -> Self {
+        let choice = seed.best(max_draft, overlap);
+        Self { max_draft, overlap, estimates: seed, choice, block_drafted: 0, block_all_accepted: 1.0 }
+    }
+
+    /// Chooses `d` for the next round from the current estimates and starts a new block.
+    pub fn choose(&mut self) -> usize {
+        self.choice = self.estimates.best(self.max_draft, self.overlap);
+        (self.block_drafted, self.block_all_accepted) = (0, 1.0);
+        self.choice.draft
+    }
+
+    /// Called after each drafted token of the current block with the probability the draft gave it: whether
+    /// to draft one more. False at the chosen `d`, or once one more draft's expected extra committed tokens,
+    /// at the current rate, are worth less time than it costs (`t_draft + b`).
+    pub fn keep_drafting(&mut self, confidence_of_last_drafted: f32) -> bool {
+        self.block_all_accepted *= self.estimates.acceptance_at_confidence(confidence_of_last_drafted);
+        self.block_drafted = self.block_drafted.saturating_add(1);
+        if self.block_drafted >= self.choice.draft {
+            return false;
+        }
+        let extra_tokens = self.block_all_accepted * self.estimates.alpha(self.block_drafted);
+        extra_tokens >= (self.estimates.t_draft_s + self.estimates.verify_b_s) * self.choice.tokens_per_s
+    }
+
+    /// Learns from the round just verified (feed the gateway-wide [`Estimates::observe`] the same observation).
+    pub fn observe(&mut self, round: &RoundObservation) {
+        self.estimates.observe(round);
+        (self.block_drafted, self.block_all_accepted) = (0, 1.0);
+    }
+
+    /// The last choice and its inputs.
+    pub fn choice(&self) -> DraftChoice {
+        self.choice.clone()
+    }
+
+    pub fn estimates(&self) -> &Estimates {
+        &self.estimates
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    const MS: f64 = 1e-3;
+
+    /// Estimates with flat acceptance `alpha` and the given costs in milliseconds.
+    fn est(alpha: f64, t_draft_ms: f64, rtt_ms: f64, a_ms: f64, b_ms: f64) -> Estimates {
+        let (t_draft_s, rtt_s, verify_a_s, verify_b_s) = (t_draft_ms * MS, rtt_ms * MS, a_ms * MS, b_ms * MS);
+        Estimates { alpha: vec![alpha], t_draft_s, rtt_s, verify_a_s, verify_b_s, ..Estimates::default() }
+    }
+
+    fn close(x: f64, want: f64) -> bool {
+        (x - want).abs() < 1e-9
+    }
+
+    #[test]
+    fn expected_tokens_and_round_time_match_hand_computed_values() {
+        let e = Estimates { alpha: vec![0.9, 0.8, 0.5], beta: 0.6, ..est(0.0, 30.0, 50.0, 80.0, 8.0) };
+        let tokens: Vec<f64> = (0..=3).map(|d| e.expected_tokens(d)).collect();
+        assert!(tokens.iter().zip([1.0, 1.9, 2.62, 2.98]).all(|(&x, want)| close(x, want)), "{tokens:?}");
+        assert!(close(e.round_time(0, true), 0.138) && close(e.round_time(0, false), 0.138));
+        assert!(close(e.round_time(2, false), 0.214));
+        // P_hit = 0.72 * 0.6; the call (0.154 s) outlasts drafting 3 (0.09 s).
+        assert!(close(e.round_time(2, true), 0.432 * 0.154 + 0.568 * 0.214), "{}", e.round_time(2, true));
+        // Slow drafting: a hit is bounded by drafting the guess and the next block, 2 * 0.2 s.
+        let slow = Estimates { t_draft_s: 0.2, ..e };
+        assert!(close(slow.round_time(1, true), 0.54 * 0.4 + 0.46 * 0.346), "{}", slow.round_time(1, true));
+    }
+
+    #[test]
+    fn hopeless_drafts_choose_zero_and_certain_drafts_on_a_long_link_choose_max() {
+        for overlap in [false, true] {
+            assert_eq!(DraftController::new(8, overlap, est(0.01, 30.0, 200.0, 80.0, 8.0)).choose(), 0);
+            assert_eq!(DraftController::new(8, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(), 8);
+            assert_eq!(DraftController::new(0, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(), 0);
+        }
+    }
+
+    #[test]
+    fn chosen_length_grows_with_round_trip_time() {
+        for overlap in [false, true] {
+            let chosen: Vec<usize> = [0.0, 20.0, 50.0, 100.0, 200.0, 500.0]
+                .iter()
+                .map(|&rtt| DraftController::new(32, overlap, est(0.8, 30.0, rtt, 100.0, 10.0)).choose())
+                .collect();
+            assert!(chosen.windows(2).all(|w| w[0] <= w[1]), "overlap {overlap}: {chosen:?}");
+            assert!(chosen[4] > chosen[0], "overlap {overlap}: {chosen:?}");
+        }
+        // Hand-computed without overlap: d = 2 at 0 ms (12.84 tok/s vs 12.83 at d = 3), d = 5 at 200 ms.
+        assert_eq!(DraftController::new(32, false, est(0.8, 30.0, 0.0, 100.0, 10.0)).choose(), 2);
+        assert_eq!(DraftController::new(32, false, est(0.8, 30.0, 200.0, 100.0, 10.0)).choose(), 5);
+    }
+
+    #[test]
+    fn draft_ahead_drafts_at_least_as_much_and_is_faster() {
+        for rtt in [0.0, 20.0, 100.0, 300.0] {
+            let (mut with, mut without) =
+                (DraftController::new(16, true, est(0.8, 30.0, rtt, 100.0, 10.0)), DraftController::new(16, false, est(0.8, 30.0, rtt, 100.0, 10.0)));
+            assert!(with.choose() >= without.choose(), "rtt {rtt}");
+            assert!(with.choice().tokens_per_s > without.choice().tokens_per_s, "rtt {rtt}: {:?} vs {:?}", with.choice(), without.choice());
+        }
+    }
+
+    /// A simulated round against a world with flat acceptance 0.8, 30 ms draft steps and V = 100 ms + 10 ms * rows.
+    fn simulate(rng: &mut ChaCha8Rng, d: usize, rtt_s: f64) -> RoundObservation {
+        let accepted = (0..d).take_while(|_| rng.random_bool(0.8)).count();
+        let verifier_s = 0.1 + 0.01 * (d + 1) as f64;
+        let ahead_guess = (d > 0 && accepted == d).then(|| rng.random_bool(0.6));
+        RoundObservation {
+            drafted: d,
+            accepted,
+            confidences: vec![0.8; d],
+            draft_time: Duration::from_secs_f64(0.03 * d as f64),
+            call_latency: Duration::from_secs_f64(rtt_s + verifier_s),
+            verifier_time: Some(Duration::from_secs_f64(verifier_s)),
+            ahead_guess,
+        }
+    }
+
+    #[test]
+    fn estimates_track_a_round_trip_jump_within_ten_rounds() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut ctl = DraftController::new(16, true, Estimates::default());
+        for _ in 0..30 {
+            let d = ctl.choose();
+            ctl.observe(&simulate(&mut rng, d, 0.020));
+        }
+        let at = |e: &Estimates, rtt_s: f64| DraftController::new(16, true, Estimates { rtt_s, ..e.clone() }).choose();
+        let before = ctl.choose();
+        assert!((ctl.estimates().rtt_s - 0.020).abs() < 0.002, "{:?}", ctl.estimates());
+        for _ in 0..10 {
+            let d = ctl.choose();
+            ctl.observe(&simulate(&mut rng, d, 0.150));
+        }
+        let e = ctl.estimates().clone();
+        assert!((e.rtt_s - 0.150).abs() < 0.2 * 0.150, "{e:?}");
+        let (want, want_before) = (at(&e, 0.150), at(&e, 0.020));
+        assert_eq!(ctl.choose(), want, "{e:?}");
+        assert!(want > want_before && want > before, "{want} vs {want_before} / {before}");
+    }
+
+    #[test]
+    fn low_confidence_stops_the_block_and_high_confidence_runs_to_the_choice() {
+        let mut e = Estimates::default();
+        for _ in 0..30 {
+            e.observe(&RoundObservation { drafted: 3, accepted: 2, confidences: vec![0.95, 0.95, 0.05], ..Default::default() });
+        }
+        assert!(e.acceptance_at_confidence(0.05) < 0.05 && e.acceptance_at_confidence(0.95) > 0.95, "{e:?}");
+        let mut ctl = DraftController::new(16, false, Estimates { by_confidence: e.by_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) });
+        let d = ctl.choose();
+        assert_eq!(d, 5);
+        assert!(!ctl.keep_drafting(0.05));
+        ctl.choose();
+        let kept = (1..=d).take_while(|_| ctl.keep_drafting(0.97)).count();
+        assert_eq!(kept, d - 1, "drafted {d} tokens");
+        // A mid-block low-confidence token stops it too.
+        ctl.choose();
+        assert!(ctl.keep_drafting(0.97) && !ctl.keep_drafting(0.02));
+    }
+
+    #[test]
+    fn verifier_time_fit_recovers_a_and_b_and_keeps_b_when_rows_never_vary() {
+        let mut e = Estimates::default();
+        for drafted in [0, 3, 7, 1, 5, 2, 6, 4, 0, 8].into_iter().cycle().take(40) {
+            let v = 0.05 + 0.012 * (drafted + 1) as f64;
+            e.observe(&RoundObservation { drafted, accepted: drafted, verifier_time: Some(Duration::from_secs_f64(v)), ..Default::default() });
+        }
+        assert!((e.verify_a_s - 0.05).abs() < 1e-6 && (e.verify_b_s - 0.012).abs() < 1e-7, "{e:?}");
+        let mut same = Estimates::default();
+        for _ in 0..20 {
+            same.observe(&RoundObservation { drafted: 4, verifier_time: Some(Duration::from_millis(200)), ..Default::default() });
+        }
+        assert!(close(same.verify_b_s, 0.008) && close(same.verify_a_s, 0.2 - 5.0 * 0.008), "{same:?}");
+    }
+
+    #[test]
+    fn choose_is_the_argmax_of_the_directly_computed_rate() {
+        let mut rng = ChaCha8Rng::seed_from_u64(42);
+        for case in 0..500 {
+            let max = rng.random_range(0..=12usize);
+            let alpha: Vec<f64> = (0..max.max(1)).map(|_| rng.random_range(0.0..1.0)).collect();
+            let (beta, t, rtt, a, b, overlap) = (
+                rng.random_range(0.0..1.0),
+                rng.random_range(0.001..0.1),
+                rng.random_range(0.0..0.5),
+                rng.random_range(0.0..0.2),
+                rng.random_range(0.0..0.03),
+                rng.random_bool(0.5),
+            );
+            let rate = |d: usize| {
+                let e: f64 = (0..=d).map(|j| alpha[..j].iter().product::<f64>()).sum();
+                let (v, all) = (a + b * (d + 1) as f64, alpha[..d].iter().product::<f64>());
+                let miss = d as f64 * t + rtt + v;
+                let time = if d == 0 || !overlap { miss } else { all * beta * (rtt + v).max((d + 1) as f64 * t) + (1.0 - all * beta) * miss };
+                e / time
+            };
+            let want = (0..=max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best });
+            let estimates = Estimates { alpha: alpha.clone(), beta, t_draft_s: t, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
+            let mut ctl = DraftController::new(max, overlap, estimates);
+            assert_eq!(ctl.choose(), want, "case {case}");
+            assert!((ctl.choice().tokens_per_s - rate(want)).abs() < 1e-9 * rate(want), "case {case}");
+        }
+    }
+
+    #[test]
+    fn degenerate_observations_neither_panic_nor_poison_the_estimates() {
+        let mut ctl = DraftController::new(usize::MAX, true, Estimates::default());
+        let rounds = [
+            RoundObservation::default(),
+            RoundObservation { drafted: 2, accepted: 9, confidences: vec![f32::NAN, f32::INFINITY, -1.0], ahead_guess: Some(true), ..Default::default() },
+            RoundObservation {
+                drafted: usize::MAX,
+                accepted: usize::MAX,
+                call_latency: Duration::MAX,
+                verifier_time: Some(Duration::ZERO),
+                ..Default::default()
+            },
+            RoundObservation { drafted: 1, call_latency: Duration::from_millis(5), verifier_time: Some(Duration::from_secs(1)), ..Default::default() },
+        ];
+        for round in &rounds {
+            ctl.observe(round);
+            let d = ctl.choose();
+            assert!(d <= MAX_POSITIONS);
+            let _ = (ctl.keep_drafting(f32::NAN), ctl.keep_drafting(2.0), ctl.keep_drafting(-3.0));
+            let c = ctl.choice();
+            assert!(c.tokens_per_s.is_finite() && c.round_time_s > 0.0 && c.alpha.iter().all(|a| (0.0..=1.0).contains(a)), "{c:?}");
+        }
+        let e = ctl.estimates();
+        // The absurd latency was ignored and the last sample (latency < verifier time) clamped at 0: 0.7 * 10 ms.
+        assert!(close(e.rtt_s, 0.007) && close(e.t_draft_s, 0.030), "{e:?}");
+    }
+}
