@@ -46,6 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let params = |d| GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: d,
+            draft_ahead: false,
             sampling,
             draft_sampling: sampling,
             seed: 1,

@@ -6,13 +6,14 @@
 //! engine's reported logprobs are never used.
 //!
 //! Consecutive rounds of a generation reuse each other's KV rows through mistral.rs's prefix cache.
-//! We build against mistral.rs 0.8.1 with fixes to that cache and its engine (vendor/README.md):
+//! We build against mistral.rs 0.8.1 with fixes to that cache and its engine (patches/README.md):
 //! entries keyed only by tokens that have KV rows, a request that is a prefix of an entry served from
 //! it, entries copied on a hit instead of overwritten in place, eviction on CPU, no thread left behind
 //! by a dropped engine, and batching of KV buffers of different capacities.
 
 use std::num::NonZeroUsize;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use either::Either;
 use mistralrs::core::{
@@ -23,10 +24,11 @@ use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
 use spade_core::{distribution, DraftToken, SamplingParams};
+use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, ModelMeta, ModelSource};
-use crate::{Drafter, EngineError, Role};
+use crate::{DraftMessage, DraftStream, Drafter, EngineError, Role};
 
 /// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
 /// target's p is what makes drafts accepted.
@@ -65,9 +67,9 @@ const CACHED_ROUNDS: usize = 32;
 
 struct Runner {
     model: Model,
-    rounds: usize,
+    rounds: AtomicUsize,
     /// The dropped engine's thread frees its cache asynchronously: trim once more on the next round.
-    trim_pending: bool,
+    trim_pending: AtomicBool,
 }
 
 pub struct MistralDrafter {
@@ -77,7 +79,7 @@ pub struct MistralDrafter {
     runner: RwLock<Runner>,
     options: DrafterOptions,
     /// Generations between begin_generation and end_generation.
-    active: std::sync::atomic::AtomicUsize,
+    active: AtomicUsize,
     /// Resident memory once loaded, the base of `cache_budget_bytes`.
     baseline_rss: Option<usize>,
 }
@@ -110,7 +112,7 @@ impl MistralDrafter {
         let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
         let tokenizer = pipeline.lock().await.tokenizer().ok_or_else(|| EngineError::Drafter("the draft model has no tokenizer".into()))?;
         let model = build_runner(&pipeline, options.max_concurrent).await?;
-        let runner = RwLock::new(Runner { model, rounds: 0, trim_pending: false });
+        let runner = RwLock::new(Runner { model, rounds: AtomicUsize::new(0), trim_pending: AtomicBool::new(false) });
         Ok(Self { meta, tokenizer, pipeline, runner, options, active: Default::default(), baseline_rss: resident_bytes() })
     }
 
@@ -171,17 +173,17 @@ impl MistralDrafter {
     }
 
     async fn maybe_reset(&self, limit: usize) {
-        if self.runner.read().await.rounds < limit {
+        if self.runner.read().await.rounds.load(Ordering::Relaxed) < limit {
             return;
         }
         let mut runner = self.runner.write().await;
-        if runner.rounds >= limit {
-            tracing::debug!(rounds = runner.rounds, "rebuilding the draft engine to drop its prefix cache");
+        if runner.rounds.load(Ordering::Relaxed) >= limit {
+            tracing::debug!(rounds = runner.rounds.load(Ordering::Relaxed), "rebuilding the draft engine to drop its prefix cache");
             match build_runner(&self.pipeline, self.options.max_concurrent).await {
                 Ok(model) => {
                     runner.model = model;
-                    runner.rounds = 0;
-                    runner.trim_pending = true;
+                    runner.rounds = AtomicUsize::new(0);
+                    runner.trim_pending = AtomicBool::new(true);
                     release_freed_memory();
                 }
                 // Keep drafting on the old engine; the next round tries again.
@@ -270,26 +272,38 @@ struct Recorder {
     start: usize,
     n: usize,
     params: DraftParams,
-    drafts: Mutex<Vec<DraftToken>>,
-    steps: std::sync::atomic::AtomicUsize,
+    /// Where each drawn token goes; closed when its [`DraftStream`] is dropped.
+    tokens: UnboundedSender<DraftMessage>,
+    /// An end-of-sequence token of the draft model: forced once nobody wants more, so mistral.rs ends
+    /// the request at this step instead of running the block out.
+    cancel_with: Option<u32>,
+    steps: AtomicUsize,
 }
 
 impl CustomLogitsProcessor for Recorder {
     fn apply(&self, logits: &candle_core::Tensor, _context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
         // mistral.rs passes only the uncached suffix as context on a prefix-cache hit, so the position
         // comes from counting our own steps, not from the context's length.
-        let step = self.steps.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let step = self.steps.fetch_add(1, Ordering::SeqCst);
         let position = self.start + step;
+        let vocab = logits.dim(0)?;
+        let force = |token: u32| {
+            let mut forced = vec![f32::NEG_INFINITY; vocab];
+            forced[token as usize] = 0.0;
+            candle_core::Tensor::from_vec(forced, vocab, logits.device())
+        };
+        if let (true, Some(end)) = (self.tokens.is_closed(), self.cancel_with) {
+            return force(end);
+        }
         let logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
         let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
         if step < self.n {
-            self.drafts.lock().expect("draft recorder poisoned").push(DraftToken { token, q });
+            // A closed channel means the stream was dropped: the token is simply not wanted.
+            let _ = self.tokens.send(DraftMessage::Token(DraftToken { token, q }));
         }
-        let mut forced = vec![f32::NEG_INFINITY; logits_vec.len()];
-        forced[token as usize] = 0.0;
-        candle_core::Tensor::from_vec(forced, logits_vec.len(), logits.device())
+        force(token)
     }
 }
 
@@ -308,18 +322,22 @@ impl Drafter for MistralDrafter {
     /// Only when asked and no other generation is running: under concurrent load a reset would throw
     /// away every other generation's cache.
     async fn begin_generation(&self, fresh: bool) {
-        if self.active.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 && fresh {
+        if self.active.fetch_add(1, Ordering::SeqCst) == 0 && fresh {
             self.maybe_reset(1).await;
         }
     }
 
     fn end_generation(&self) {
-        let _ = self.active.fetch_update(std::sync::atomic::Ordering::SeqCst, std::sync::atomic::Ordering::SeqCst, |n| n.checked_sub(1));
+        let _ = self.active.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
     }
 
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+        self.draft_stream(committed, n, params).await?.collect().await
+    }
+
+    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams) -> Result<DraftStream<'a>, EngineError> {
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(DraftStream::ready(Vec::new()));
         }
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
@@ -327,30 +345,31 @@ impl Drafter for MistralDrafter {
         if self.over_budget() {
             self.maybe_reset(BUDGET_MIN_ROUNDS).await;
         }
-        let recorder =
-            Arc::new(Recorder { start: committed.len(), n, params: params.clone(), drafts: Mutex::new(Vec::with_capacity(n)), steps: Default::default() });
-        let (tx, mut rx) = tokio::sync::mpsc::channel(2);
-        {
-            let mut runner = self.runner.write().await;
-            runner.rounds += 1;
-            if std::mem::take(&mut runner.trim_pending) {
-                release_freed_memory();
-            }
-        }
+        // The engine must not be rebuilt under a running request: the stream holds a read lock (only
+        // a rebuild takes the write lock, so generations drafting at once do not wait on each other).
         let runner = self.runner.read().await;
+        runner.rounds.fetch_add(1, Ordering::Relaxed);
+        if runner.trim_pending.swap(false, Ordering::Relaxed) {
+            release_freed_memory();
+        }
+        let stop_token_ids = self.meta.stop_token_ids.clone();
+        let cancel_with = stop_token_ids.first().copied();
+        let (tokens, stream) = DraftStream::channel(n, stop_token_ids);
+        let recorder = Arc::new(Recorder { start: committed.len(), n, params: params.clone(), tokens: tokens.clone(), cancel_with, steps: Default::default() });
+        let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         let request = new_request(
             RequestMessage::CompletionTokens(committed.to_vec()),
             n,
             tx,
             runner.model.inner().next_request_id(),
-            Some(recorder.clone() as Arc<dyn CustomLogitsProcessor>),
+            Some(recorder as Arc<dyn CustomLogitsProcessor>),
         );
         let sender = runner.model.inner().get_sender(None).map_err(|e| EngineError::Drafter(e.to_string()))?;
         sender.send(Request::Normal(Box::new(request))).await.map_err(|e| EngineError::Drafter(e.to_string()))?;
         // mistral.rs's engine thread panics when a response cannot be delivered, so the receiver
-        // must outlive the request even if this future is dropped (a client hanging up): a task
-        // drains it to the end.
-        let drain = tokio::spawn(async move {
+        // must outlive the request even if the stream is dropped (a client hanging up, a block no
+        // longer wanted): a task drains it to the end and then ends the stream.
+        tokio::spawn(async move {
             let mut result = Ok(());
             while let Some(response) = rx.recv().await {
                 match response {
@@ -360,16 +379,9 @@ impl Drafter for MistralDrafter {
                     _ => continue,
                 }
             }
-            result
+            let _ = tokens.send(DraftMessage::End(result));
         });
-        drain.await.map_err(|e| EngineError::Drafter(e.to_string()))??;
-        drop(runner);
-        let mut drafts = std::mem::take(&mut *recorder.drafts.lock().expect("draft recorder poisoned"));
-        // An end-of-sequence draft ends the block.
-        if let Some(end) = drafts.iter().position(|d| self.meta.stop_token_ids.contains(&d.token)) {
-            drafts.truncate(end + 1);
-        }
-        Ok(drafts)
+        Ok(stream.holding(Box::new(runner)))
     }
 }
 

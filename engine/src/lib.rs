@@ -6,13 +6,16 @@
 //!   ([`CandleScorer`], on candle's quantized kernels).
 //! - [`speculative`]: the in-process loop tying them together with spade-core's verification.
 
+mod draft_stream;
 pub mod drafter;
+mod drafting;
 mod error;
 pub mod gguf;
 pub mod round;
 pub mod scorer;
 pub mod speculative;
 
+pub use draft_stream::{DraftMessage, DraftStream};
 pub use drafter::{DraftParams, MistralDrafter};
 pub use error::EngineError;
 pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
@@ -40,6 +43,12 @@ pub trait Drafter: Send + Sync {
 
     /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
+
+    /// The same tokens as [`Drafter::draft`], each handed over as soon as it is drawn, so the loop can
+    /// stop a block early or drop drafting it is no longer interested in. By default all at once.
+    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams) -> Result<DraftStream<'a>, EngineError> {
+        Ok(DraftStream::ready(self.draft(committed, n, params).await?))
+    }
 
     /// Makes drafting after `context` cheap (its KV rows cached) without proposing anything. The loop
     /// runs it while the verifier prefills the same prompt. By default: a one-token draft, discarded

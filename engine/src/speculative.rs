@@ -8,10 +8,13 @@
 
 use std::time::{Duration, Instant};
 
+use spade_core::draft_control::DraftChoice;
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, SamplingParams};
 
 use crate::drafter::DraftParams;
+pub use crate::drafting::DraftLength;
+use crate::drafting::{observation, Block, Pacing};
 use crate::round::verify_round;
 use crate::{Drafter, EngineError, ScoreSession};
 
@@ -29,6 +32,8 @@ pub struct Verified {
     pub committed: Vec<u32>,
     /// Target log-probabilities of the committed tokens; empty unless asked for.
     pub logprobs: Vec<TokenLogprob>,
+    /// The verifier's own time for the call (queue and forward pass), where it reports one.
+    pub verifier_time: Option<Duration>,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -65,8 +70,10 @@ pub enum WhenUnreachable {
 #[derive(Debug, Clone)]
 pub struct LoopParams {
     pub max_new_tokens: usize,
-    /// Draft tokens per round; 0 = target-only decoding.
-    pub draft_len: usize,
+    /// Draft tokens per round: fixed (0 = target-only decoding) or chosen online.
+    pub draft_len: DraftLength,
+    /// Keep drafting the optimistic continuation while a block is verified (see [`run`]).
+    pub draft_ahead: bool,
     /// How the draft samples its q (any choice is lossless).
     pub draft: DraftParams,
     pub stop_token_ids: Vec<u32>,
@@ -98,8 +105,20 @@ pub struct LoopStats {
     pub accepted_at: Vec<usize>,
     pub drafted_at: Vec<usize>,
     pub committed: usize,
+    /// Drafting the loop waited for (not hidden under a verify call).
     pub draft_time: Duration,
+    /// Drafting done while a verify call was in flight.
+    pub overlap_time: Duration,
+    /// Verify calls, end to end.
     pub verify_time: Duration,
+    /// The part of `verify_time` the verifier reports as its own (queue and forward pass); the rest is
+    /// the link.
+    pub verifier_time: Duration,
+    /// Rounds that drafted ahead, and how many of those blocks were then sent.
+    pub ahead_drafted: usize,
+    pub ahead_used: usize,
+    /// The adaptive draft length's last choice and its inputs (None for a fixed length).
+    pub choice: Option<DraftChoice>,
     /// The draft model answered alone for at least part of the generation.
     pub degraded: bool,
 }
@@ -118,12 +137,18 @@ pub struct LoopEnd {
     pub stats: LoopStats,
 }
 
-/// Runs one generation after `prompt`. Without a drafter (or with `draft_len` 0) this is plain target
-/// decoding through the same verifier: the reference the speculative output is compared with.
+/// Runs one generation after `prompt`. Without a drafter (or with a draft length of 0) this is plain
+/// target decoding through the same verifier: the reference the speculative output is compared with.
 ///
 /// The first block is always verified empty: the verifier prefills the prompt and commits the first
 /// token while the draft model prefills the same prompt, so the two prefills overlap instead of adding
 /// up, and the first token is committed as soon as the verifier has it.
+///
+/// Draft-ahead: while a block is verified, the draft keeps drafting as if every draft will be
+/// accepted: a guess for the token the verifier will add, then the next block. When all drafts are
+/// accepted and the guess equals the verifier's token, that block was drafted on exactly the committed
+/// prefix and is sent at once; otherwise it is dropped. Draft randomness is keyed by position, so the
+/// block is the one drafting afterwards would have drawn: the output is unchanged (docs/design.md).
 pub async fn run(
     drafter: Option<&dyn Drafter>,
     verifier: &mut dyn BlockVerifier,
@@ -133,49 +158,105 @@ pub async fn run(
 ) -> Result<LoopEnd, LoopError> {
     let stats = LoopStats { degraded: params.start_degraded, ..Default::default() };
     let mut state = Loop { seq: prompt.to_vec(), stats, params, sink, can_draft_alone: drafter.is_some() };
-    let drafting = drafter.filter(|_| params.draft_len > 0);
-    if let (Some(drafter), false) = (drafting, params.start_degraded) {
-        let context = prompt.to_vec();
-        let first = state.verified_round(verifier, &[]);
-        let warm = async {
-            let started = Instant::now();
-            let warmed = drafter.prefill(&context, &params.draft).await;
-            (warmed, started.elapsed())
-        };
-        let (first, (warmed, warm_time)) = tokio::join!(first, warm);
-        state.stats.draft_time += warm_time;
-        // A failed prefill only costs speed; the next draft call reports a real failure.
-        if let Err(e) = warmed {
-            tracing::debug!("draft prefill failed: {e}");
-        }
-        if let Some(finish) = first? {
-            return Ok(state.end(finish));
-        }
-    }
+    let mut pacing = Pacing::new(&params.draft_len, params.draft_ahead);
+    let drafting = drafter.filter(|_| params.draft_len.max() > 0);
+    // Drafted during the last verify call, for the current prefix.
+    let mut ahead: Option<Block> = None;
+    let mut first = true;
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
-        let finish = match drafter {
-            Some(drafter) if state.stats.degraded => state.draft_alone_round(drafter, remaining).await?,
-            _ => {
-                // A block commits at most d + 1 tokens: never draft past the budget.
-                let d = if drafting.is_some() { params.draft_len.min(remaining - 1) } else { 0 };
-                let drafts = match drafting {
-                    Some(drafter) if d > 0 => {
-                        let started = Instant::now();
-                        let drafts = drafter.draft(&state.seq, d, &params.draft).await?;
-                        state.stats.draft_time += started.elapsed();
-                        drafts
+        let drafter = match (drafter, drafting) {
+            (Some(drafter), _) if state.stats.degraded => match state.draft_alone_round(drafter, remaining).await? {
+                Some(finish) => return Ok(state.end(finish, &pacing)),
+                None => continue,
+            },
+            (_, drafter) => drafter,
+        };
+        // A block commits at most d + 1 tokens: never draft past the budget.
+        let d = match drafter {
+            Some(_) if !first => pacing.choose().min(remaining - 1),
+            _ => 0,
+        };
+        let round_started = Instant::now();
+        let block = match (drafter, ahead.take()) {
+            (Some(_), Some(pre)) => {
+                state.stats.ahead_used += 1;
+                Some(pre.without_guess(d))
+            }
+            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
+            _ => None,
+        };
+        let (drafts, draft_time) = match block {
+            Some(block) => block.complete(&mut pacing).await?,
+            None => (Vec::new(), Duration::ZERO),
+        };
+        state.stats.draft_time += round_started.elapsed();
+
+        // Draft ahead during the call: a guess for the token after the block, then the next block.
+        let after = remaining.saturating_sub(drafts.len() + 1);
+        let next_d = if after > 1 { pacing.choose().min(after - 1) } else { 0 };
+        let mut context = Vec::new();
+        let mut next = match drafter {
+            Some(drafter) if params.draft_ahead && next_d > 0 && !ends_with_stop(&drafts, params) => {
+                context.extend_from_slice(&state.seq);
+                context.extend(drafts.iter().map(|t| t.token));
+                Some(Block::start(drafter, &context, next_d, true, &params.draft).await?)
+            }
+            _ => None,
+        };
+        let call_started = Instant::now();
+        let verified = {
+            let call = verifier.verify(&state.seq, &drafts);
+            match (next.as_mut(), drafter) {
+                (Some(next), _) => next.pull_while(call, &mut pacing).await,
+                // Without draft-ahead, the first call still overlaps the draft's prefill.
+                (None, Some(drafter)) if first => {
+                    let (verified, warmed) = tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
+                    // A failed prefill only costs speed; the next draft call reports a real failure.
+                    if let Err(e) = warmed {
+                        tracing::debug!("draft prefill failed: {e}");
                     }
-                    _ => Vec::new(),
-                };
-                state.verified_round(verifier, &drafts).await?
+                    verified
+                }
+                _ => call.await,
             }
         };
-        if let Some(finish) = finish {
-            return Ok(state.end(finish));
+        let latency = call_started.elapsed();
+        let prefilled = std::mem::replace(&mut first, false);
+        let verified = match state.check(verified, &drafts)? {
+            Some(verified) => verified,
+            None => continue,
+        };
+        state.stats.verify_time += latency;
+        state.stats.verifier_time += verified.verifier_time.unwrap_or_default().min(latency);
+        let all_accepted = verified.accepted == drafts.len();
+        let mut guess_matched = None;
+        if let Some(mut next) = next {
+            state.stats.ahead_drafted += 1;
+            state.stats.overlap_time += next.busy.min(latency);
+            let bonus = verified.committed.last().copied();
+            if all_accepted {
+                let matched = next.guess(&mut pacing).await.is_some_and(|g| Some(g) == bonus);
+                guess_matched = Some(matched);
+                if matched {
+                    ahead = Some(next);
+                }
+            }
+        }
+        // The first call prefills the prompt: its time says nothing about a block's cost per round.
+        if !prefilled {
+            pacing.observe(&observation(&drafts, verified.accepted, draft_time, latency, verified.verifier_time, guess_matched));
+        }
+        if let Some(finish) = state.commit_block(&drafts, &verified).await? {
+            return Ok(state.end(finish, &pacing));
         }
     }
-    Ok(state.end(Finish::Length))
+    Ok(state.end(Finish::Length, &pacing))
+}
+
+/// A block ending in a stop token ends the generation if it is all accepted: nothing to draft after it.
+fn ends_with_stop(drafts: &[DraftToken], params: &LoopParams) -> bool {
+    drafts.last().is_some_and(|d| params.stop_token_ids.contains(&d.token))
 }
 
 struct Loop<'a> {
@@ -187,11 +268,10 @@ struct Loop<'a> {
 }
 
 impl Loop<'_> {
-    /// Verifies `drafts` and commits the outcome; on an unreachable verifier either fails or switches
-    /// to drafting alone. Some(finish) when the generation is over.
-    async fn verified_round(&mut self, verifier: &mut dyn BlockVerifier, drafts: &[DraftToken]) -> Result<Option<Finish>, LoopError> {
-        let started = Instant::now();
-        let verified = match verifier.verify(&self.seq, drafts).await {
+    /// A verify call's outcome, checked. None when the verifier is unreachable and the loop goes on
+    /// with the draft model alone.
+    fn check(&mut self, verified: Result<Verified, VerifyFailure>, drafts: &[DraftToken]) -> Result<Option<Verified>, LoopError> {
+        let verified = match verified {
             Ok(v) => v,
             Err(VerifyFailure::Unreachable(e)) if self.params.when_unreachable == WhenUnreachable::DraftAlone && self.can_draft_alone => {
                 tracing::warn!("verifier unreachable ({e}); continuing with the draft model alone");
@@ -200,7 +280,6 @@ impl Loop<'_> {
             }
             Err(e) => return Err(e.into()),
         };
-        self.stats.verify_time += started.elapsed();
         if verified.accepted > drafts.len() || verified.committed.len() != verified.accepted + 1 {
             return Err(VerifyFailure::Rejected(format!(
                 "{} committed tokens for {} accepted of {} drafts",
@@ -210,6 +289,11 @@ impl Loop<'_> {
             ))
             .into());
         }
+        Ok(Some(verified))
+    }
+
+    /// Counts a verified block and commits what it commits. Some(finish) when the generation is over.
+    async fn commit_block(&mut self, drafts: &[DraftToken], verified: &Verified) -> Result<Option<Finish>, LoopError> {
         self.stats.target_calls += 1;
         self.stats.drafted += drafts.len();
         self.stats.accepted += verified.accepted;
@@ -225,7 +309,7 @@ impl Loop<'_> {
     }
 
     async fn draft_alone_round(&mut self, drafter: &dyn Drafter, remaining: usize) -> Result<Option<Finish>, LoopError> {
-        let d = DEGRADED_BLOCK.max(self.params.draft_len).min(remaining);
+        let d = DEGRADED_BLOCK.max(self.params.draft_len.max()).min(remaining);
         let started = Instant::now();
         let drafts = drafter.draft(&self.seq, d, &self.params.draft).await?;
         self.stats.draft_time += started.elapsed();
@@ -254,7 +338,8 @@ impl Loop<'_> {
         Ok(None)
     }
 
-    fn end(self, finish: Finish) -> LoopEnd {
+    fn end(mut self, finish: Finish, pacing: &Pacing) -> LoopEnd {
+        self.stats.choice = pacing.choice();
         LoopEnd { finish, stats: self.stats }
     }
 }
@@ -273,7 +358,7 @@ impl BlockVerifier for LocalVerifier<'_> {
     async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
         let round =
             verify_round(self.session, context, drafts, &self.sampling, self.seed, self.top_logprobs).map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
-        Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs })
+        Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
     }
 }
 
@@ -294,6 +379,7 @@ impl TokenSink for Collect {
 pub struct GenerateParams {
     pub max_new_tokens: usize,
     pub draft_len: usize,
+    pub draft_ahead: bool,
     pub sampling: SamplingParams,
     pub draft_sampling: SamplingParams,
     pub seed: u64,
@@ -315,7 +401,8 @@ pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSessi
     }
     let loop_params = LoopParams {
         max_new_tokens: params.max_new_tokens,
-        draft_len: params.draft_len,
+        draft_len: DraftLength::Fixed(params.draft_len),
+        draft_ahead: params.draft_ahead,
         draft: DraftParams { sampling: params.draft_sampling, seed: params.seed },
         stop_token_ids: params.stop_token_ids.clone(),
         when_unreachable: WhenUnreachable::Fail,
@@ -353,13 +440,18 @@ mod tests {
         }
     }
 
-    /// Accepts `accept` drafts per block and commits the position as the next token; `unreachable`
-    /// fails every call after the first `ok_calls`.
+    /// Accepts `accept` drafts per block and commits position + `offset` as the next token (an offset
+    /// of 0 agrees with [`Counting`]); fails every call after the first `ok_calls`.
     struct Scripted {
         accept: usize,
+        offset: u32,
         ok_calls: usize,
         calls: usize,
         blocks: Vec<usize>,
+    }
+
+    fn scripted(accept: usize, ok_calls: usize) -> Scripted {
+        Scripted { accept, offset: 1000, ok_calls, calls: 0, blocks: Vec::new() }
     }
 
     #[async_trait::async_trait]
@@ -372,8 +464,8 @@ mod tests {
             self.blocks.push(drafts.len());
             let accepted = self.accept.min(drafts.len());
             let mut committed: Vec<u32> = drafts[..accepted].iter().map(|d| d.token).collect();
-            committed.push((context.len() + accepted) as u32 + 1000);
-            Ok(Verified { accepted, committed, logprobs: Vec::new() })
+            committed.push((context.len() + accepted) as u32 + self.offset);
+            Ok(Verified { accepted, committed, logprobs: Vec::new(), verifier_time: None })
         }
     }
 
@@ -391,13 +483,21 @@ mod tests {
 
     fn params(max_new_tokens: usize, draft_len: usize, when_unreachable: WhenUnreachable) -> LoopParams {
         let draft = DraftParams { sampling: SamplingParams::greedy(), seed: 0 };
-        LoopParams { max_new_tokens, draft_len, draft, stop_token_ids: vec![4999], when_unreachable, start_degraded: false }
+        LoopParams {
+            max_new_tokens,
+            draft_len: DraftLength::Fixed(draft_len),
+            draft_ahead: false,
+            draft,
+            stop_token_ids: vec![4999],
+            when_unreachable,
+            start_degraded: false,
+        }
     }
 
     #[tokio::test]
     async fn the_first_block_is_empty_and_no_block_drafts_past_the_budget() {
         let drafter = Counting(meta());
-        let mut verifier = Scripted { accept: 10, ok_calls: usize::MAX, calls: 0, blocks: Vec::new() };
+        let mut verifier = scripted(10, usize::MAX);
         let mut out = Collect::default();
         let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params(10, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
         assert_eq!(end.finish, Finish::Length);
@@ -411,11 +511,11 @@ mod tests {
     #[tokio::test]
     async fn an_unreachable_verifier_fails_or_hands_over_to_the_draft() {
         let drafter = Counting(meta());
-        let mut verifier = Scripted { accept: 0, ok_calls: 2, calls: 0, blocks: Vec::new() };
+        let mut verifier = scripted(0, 2);
         let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::Fail), &mut Collect::default()).await;
         assert!(matches!(end, Err(LoopError::Verifier(VerifyFailure::Unreachable(_)))));
 
-        let mut verifier = Scripted { accept: 0, ok_calls: 2, calls: 0, blocks: Vec::new() };
+        let mut verifier = scripted(0, 2);
         let mut out = Collect::default();
         let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::DraftAlone), &mut out).await.unwrap();
         assert!(end.stats.degraded);
@@ -427,12 +527,46 @@ mod tests {
     #[tokio::test]
     async fn a_stop_token_ends_the_generation() {
         let drafter = Counting(meta());
-        let mut verifier = Scripted { accept: 10, ok_calls: usize::MAX, calls: 0, blocks: Vec::new() };
+        let mut verifier = scripted(10, usize::MAX);
         let mut out = Collect::default();
         // Position 4999 drafts the stop token 4999.
         let prompt: Vec<u32> = (0..4990).collect();
         let end = run(Some(&drafter), &mut verifier, &prompt, &params(100, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
         assert_eq!(end.finish, Finish::StopToken);
         assert_eq!(out.0.last(), Some(&4999));
+    }
+
+    /// Drafting ahead changes which blocks are drafted when, never what is committed: a block drafted
+    /// ahead is sent only when the verifier confirmed the prefix it was drafted on.
+    #[tokio::test]
+    async fn draft_ahead_sends_only_confirmed_blocks_and_commits_the_same_tokens() {
+        let drafter = Counting(meta());
+        // (accepted per block, bonus offset, every block drafted ahead should be used): with one
+        // accepted of four, only the block after the empty first one (all of its zero drafts accepted).
+        for (accept, offset, used) in [(10, 0, true), (10, 1000, false), (1, 0, false)] {
+            let run_with = |ahead: bool| {
+                let drafter = &drafter;
+                async move {
+                    let mut verifier = Scripted { offset, ..scripted(accept, usize::MAX) };
+                    let mut out = Collect::default();
+                    let params = LoopParams { draft_ahead: ahead, ..params(30, 4, WhenUnreachable::Fail) };
+                    let end = run(Some(drafter), &mut verifier, &[1, 2, 3], &params, &mut out).await.unwrap();
+                    (out.0, verifier.blocks, end.stats)
+                }
+            };
+            let (plain, plain_blocks, plain_stats) = run_with(false).await;
+            let (ahead, ahead_blocks, stats) = run_with(true).await;
+            assert_eq!(ahead, plain, "accept {accept}, offset {offset}");
+            assert_eq!(ahead_blocks, plain_blocks, "accept {accept}, offset {offset}");
+            assert_eq!((plain_stats.ahead_drafted, plain_stats.ahead_used), (0, 0));
+            assert!(stats.ahead_drafted > 0);
+            // Every block after the first was drafted ahead when the verifier agrees; none otherwise.
+            let expected_used = match (used, offset) {
+                (true, _) => stats.target_calls - 1,
+                (false, 0) => 1,
+                (false, _) => 0,
+            };
+            assert_eq!(stats.ahead_used, expected_used, "accept {accept}, offset {offset}: {stats:?}");
+        }
     }
 }

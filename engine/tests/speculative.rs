@@ -11,7 +11,7 @@ use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
 use spade_engine::{Drafter, EngineError, ModelMeta, Role, Scorer};
 
 fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {
-    GenerateParams { max_new_tokens, draft_len, sampling, draft_sampling: sampling, seed: 7, stop_token_ids: meta.stop_token_ids.clone() }
+    GenerateParams { max_new_tokens, draft_len, draft_ahead: false, sampling, draft_sampling: sampling, seed: 7, stop_token_ids: meta.stop_token_ids.clone() }
 }
 
 async fn run(drafter: Option<&dyn Drafter>, scorer: &dyn Scorer, prompt: &[u32], p: &GenerateParams) -> Generation {
@@ -46,19 +46,23 @@ async fn greedy_qwen_pair_is_identical_to_target_only() {
     let target = scorer(TARGET);
     let draft = drafter(DRAFT, DrafterOptions::default()).await;
     spade_engine::check_same_vocabulary(draft.meta(), target.meta()).unwrap();
-    let (mut calls_spec, mut calls_target, mut tokens) = (0, 0, 0);
+    let (mut calls_spec, mut calls_target, mut tokens, mut ahead_used) = (0, 0, 0, 0);
     for prompt in &PROMPTS[..8] {
         let ids = draft.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
         let reference = run(None, &target, &ids, &params(0, 24, SamplingParams::greedy(), target.meta())).await;
         let spec = run(Some(&draft), &target, &ids, &params(4, 24, SamplingParams::greedy(), target.meta())).await;
         assert_eq!(spec.tokens, reference.tokens, "prompt {prompt:?}");
         assert_eq!(spec.finish, reference.finish);
+        let ahead = run(Some(&draft), &target, &ids, &GenerateParams { draft_ahead: true, ..params(4, 24, SamplingParams::greedy(), target.meta()) }).await;
+        assert_eq!(ahead.tokens, reference.tokens, "draft-ahead, prompt {prompt:?}");
+        ahead_used += ahead.stats.ahead_used;
         calls_spec += spec.stats.target_calls;
         calls_target += reference.stats.target_calls;
         tokens += spec.tokens.len();
     }
-    println!("qwen pair: {tokens} tokens, {calls_spec} target calls speculative vs {calls_target} target-only");
+    println!("qwen pair: {tokens} tokens, {calls_spec} target calls speculative vs {calls_target} target-only; {ahead_used} blocks drafted ahead sent");
     assert!(calls_spec < calls_target, "the draft must save target calls");
+    assert!(ahead_used > 0, "some blocks drafted ahead should be confirmed and sent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,6 +79,10 @@ async fn greedy_with_adversarial_and_self_drafters_is_identical() {
         assert!(adversarial.stats.accepted * 20 <= adversarial.stats.drafted, "random drafts should nearly all be rejected");
         let selfdraft = run(Some(&own), &target, &ids, &p(4)).await;
         assert_eq!(selfdraft.tokens, reference.tokens, "SmolLM2 drafting for itself, prompt {prompt:?}");
+        let adversarial_ahead = run(Some(&random), &target, &ids, &GenerateParams { draft_ahead: true, ..p(4) }).await;
+        assert_eq!(adversarial_ahead.tokens, reference.tokens, "random drafter ahead, prompt {prompt:?}");
+        let self_ahead = run(Some(&own), &target, &ids, &GenerateParams { draft_ahead: true, ..p(4) }).await;
+        assert_eq!(self_ahead.tokens, reference.tokens, "SmolLM2 drafting ahead for itself, prompt {prompt:?}");
         assert!(selfdraft.stats.accepted * 10 >= selfdraft.stats.drafted * 8, "a model drafting for itself is mostly accepted: {:?}", selfdraft.stats);
     }
 }
@@ -89,6 +97,9 @@ async fn sampling_with_a_seed_is_reproducible() {
     let a = run(Some(&own), &target, &ids, &p).await;
     let b = run(Some(&own), &target, &ids, &p).await;
     assert_eq!(a.tokens, b.tokens);
+    // Drafting ahead draws the same tokens at the same positions: the same sample.
+    let ahead = run(Some(&own), &target, &ids, &GenerateParams { draft_ahead: true, ..p.clone() }).await;
+    assert_eq!(ahead.tokens, a.tokens, "draft-ahead changed a seeded sample");
     let other = run(Some(&own), &target, &ids, &GenerateParams { seed: 8, ..p }).await;
     assert_ne!(a.tokens, other.tokens, "a different seed should give a different sample");
     assert!(matches!(a.finish, Finish::Length | Finish::StopToken));

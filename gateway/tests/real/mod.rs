@@ -138,6 +138,7 @@ pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
         let params = GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: 0,
+            draft_ahead: false,
             sampling: spade_core::SamplingParams::greedy(),
             draft_sampling: spade_core::SamplingParams::greedy(),
             seed: 0,

@@ -1,0 +1,84 @@
+//! Draft tokens handed over one by one as the draft model draws them.
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::{DraftToken, EngineError};
+
+/// What a drafting engine sends: each token as it is drawn, then how the drafting ended.
+#[derive(Debug)]
+pub enum DraftMessage {
+    Token(DraftToken),
+    End(Result<(), EngineError>),
+}
+
+/// A block being drafted. Dropping it tells the drafting engine to stop at its next step (its sender
+/// sees the channel closed), so drafting nobody will use does not hold the draft model.
+pub struct DraftStream<'a> {
+    messages: UnboundedReceiver<DraftMessage>,
+    /// Tokens still wanted; an end-of-sequence token ends the block early.
+    left: usize,
+    stop_token_ids: Vec<u32>,
+    /// Whatever must live as long as the drafting does (a lock on the engine it runs on).
+    _hold: Option<Box<dyn Send + Sync + 'a>>,
+}
+
+impl<'a> DraftStream<'a> {
+    /// A stream fed through the returned sender, ending after `n` tokens, an end-of-sequence token or
+    /// an [`DraftMessage::End`].
+    pub fn channel(n: usize, stop_token_ids: Vec<u32>) -> (UnboundedSender<DraftMessage>, Self) {
+        let (tx, messages) = unbounded_channel();
+        (tx, Self { messages, left: n, stop_token_ids, _hold: None })
+    }
+
+    /// Keeps `hold` alive as long as the stream.
+    pub fn holding(self, hold: Box<dyn Send + Sync + 'a>) -> Self {
+        Self { _hold: Some(hold), ..self }
+    }
+
+    /// Tokens drafted all at once.
+    pub fn ready(tokens: Vec<DraftToken>) -> Self {
+        let (tx, stream) = Self::channel(tokens.len(), Vec::new());
+        for token in tokens {
+            let _ = tx.send(DraftMessage::Token(token));
+        }
+        let _ = tx.send(DraftMessage::End(Ok(())));
+        stream
+    }
+
+    /// The next drafted token; None once the block is complete.
+    pub async fn next(&mut self) -> Option<Result<DraftToken, EngineError>> {
+        if self.left == 0 {
+            return None;
+        }
+        match self.messages.recv().await {
+            Some(DraftMessage::Token(token)) => {
+                self.left -= 1;
+                if self.stop_token_ids.contains(&token.token) {
+                    self.left = 0;
+                }
+                Some(Ok(token))
+            }
+            Some(DraftMessage::End(Ok(()))) => {
+                self.left = 0;
+                None
+            }
+            Some(DraftMessage::End(Err(e))) => {
+                self.left = 0;
+                Some(Err(e))
+            }
+            None => {
+                self.left = 0;
+                Some(Err(EngineError::Drafter("the draft engine stopped without finishing the block".into())))
+            }
+        }
+    }
+
+    /// The whole block.
+    pub async fn collect(mut self) -> Result<Vec<DraftToken>, EngineError> {
+        let mut tokens = Vec::new();
+        while let Some(token) = self.next().await {
+            tokens.push(token?);
+        }
+        Ok(tokens)
+    }
+}

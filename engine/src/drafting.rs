@@ -1,0 +1,209 @@
+//! The drafting side of a round: how long the next block should be ([`Pacing`]), and a block being
+//! drafted token by token ([`Block`]), which may run while the previous block is verified.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use spade_core::draft_control::{DraftChoice, DraftController, Estimates, RoundObservation};
+use spade_core::openai::DraftLen;
+use spade_core::DraftToken;
+
+use crate::drafter::DraftParams;
+use crate::{DraftStream, Drafter, EngineError};
+
+/// Draft tokens per round: a fixed number, or chosen online each round.
+#[derive(Debug, Clone)]
+pub enum DraftLength {
+    /// This many every round; 0 = target-only decoding through the verifier.
+    Fixed(usize),
+    /// Chosen by spade-core's [`DraftController`] up to `max`, starting from `seed`'s estimates
+    /// (gateway-wide ones); every round's observations also go back into `seed`.
+    Auto { max: usize, seed: Arc<Mutex<Estimates>> },
+}
+
+impl DraftLength {
+    /// As the API names it: the number, or `auto`.
+    pub fn label(&self) -> DraftLen {
+        match self {
+            Self::Fixed(n) => DraftLen::Fixed(*n as u32),
+            Self::Auto { .. } => DraftLen::AUTO,
+        }
+    }
+
+    pub fn max(&self) -> usize {
+        match self {
+            Self::Fixed(n) => *n,
+            Self::Auto { max, .. } => *max,
+        }
+    }
+}
+
+/// One generation's draft-length policy.
+pub(crate) enum Pacing {
+    Fixed(usize),
+    Auto { controller: Box<DraftController>, shared: Arc<Mutex<Estimates>> },
+}
+
+impl Pacing {
+    pub fn new(length: &DraftLength, overlap: bool) -> Self {
+        match length {
+            DraftLength::Fixed(n) => Self::Fixed(*n),
+            DraftLength::Auto { max, seed } => {
+                let estimates = seed.lock().map(|e| e.clone()).unwrap_or_default();
+                Self::Auto { controller: Box::new(DraftController::new(*max, overlap, estimates)), shared: seed.clone() }
+            }
+        }
+    }
+
+    pub fn choose(&mut self) -> usize {
+        match self {
+            Self::Fixed(n) => *n,
+            Self::Auto { controller, .. } => controller.choose(),
+        }
+    }
+
+    /// After each drafted token of a block: whether one more is worth drafting.
+    pub fn keep_drafting(&mut self, confidence: f32) -> bool {
+        match self {
+            Self::Fixed(_) => true,
+            Self::Auto { controller, .. } => controller.keep_drafting(confidence),
+        }
+    }
+
+    pub fn observe(&mut self, round: &RoundObservation) {
+        if let Self::Auto { controller, shared } = self {
+            controller.observe(round);
+            if let Ok(mut shared) = shared.lock() {
+                shared.observe(round);
+            }
+        }
+    }
+
+    pub fn choice(&self) -> Option<DraftChoice> {
+        match self {
+            Self::Fixed(_) => None,
+            Self::Auto { controller, .. } => Some(controller.choice()),
+        }
+    }
+}
+
+/// A block being drafted. With `guess`, its first token is the draft's guess for the token the
+/// verifier commits after the block in flight (draft-ahead), and the rest is the block after it.
+pub(crate) struct Block<'a> {
+    /// None once the block is complete or its drafting was stopped.
+    stream: Option<DraftStream<'a>>,
+    pub tokens: Vec<DraftToken>,
+    guess: bool,
+    /// The guess was drawn by this stream and then removed (it is the verifier's token now).
+    dropped_guess: bool,
+    /// Most block tokens wanted (the guess not counted).
+    cap: usize,
+    started: Instant,
+    /// From the start to the last token drawn.
+    pub busy: Duration,
+}
+
+impl<'a> Block<'a> {
+    /// Starts drafting up to `cap` tokens after `context` (plus a guess first when `guess`).
+    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
+        let started = Instant::now();
+        let stream = drafter.draft_stream(context, cap + usize::from(guess), params).await?;
+        Ok(Self { stream: Some(stream), tokens: Vec::new(), guess, dropped_guess: false, cap, started, busy: Duration::ZERO })
+    }
+
+    /// The block's own tokens so far (without the guess).
+    fn drafted(&self) -> usize {
+        self.tokens.len().saturating_sub(usize::from(self.guess))
+    }
+
+    /// Draws one more token; false once the block is complete (its cap reached, an end-of-sequence
+    /// token, or the pacing says stop).
+    async fn pull(&mut self, pacing: &mut Pacing) -> Result<bool, EngineError> {
+        if self.drafted() >= self.cap {
+            self.stream = None;
+        }
+        let Some(stream) = self.stream.as_mut() else { return Ok(false) };
+        let Some(token) = stream.next().await.transpose()? else {
+            self.stream = None;
+            return Ok(false);
+        };
+        let confidence = token.q.prob(token.token) as f32;
+        self.tokens.push(token);
+        self.busy = self.started.elapsed();
+        if self.drafted() > 0 && !pacing.keep_drafting(confidence) {
+            self.stream = None;
+        }
+        Ok(self.stream.is_some())
+    }
+
+    /// Drafts while `until` runs and returns its output. A drafting error only ends the drafting: the
+    /// block is then treated as incomplete (its tokens so far stay valid).
+    pub async fn pull_while<F: Future>(&mut self, until: F, pacing: &mut Pacing) -> F::Output {
+        tokio::pin!(until);
+        loop {
+            if self.stream.is_none() {
+                return until.await;
+            }
+            tokio::select! {
+                biased;
+                output = &mut until => return output,
+                pulled = self.pull(pacing) => if let Err(e) = pulled {
+                    tracing::debug!("drafting ahead failed: {e}");
+                    self.stream = None;
+                },
+            }
+        }
+    }
+
+    /// The guess, waiting for it if it is not drawn yet (None if the drafting ended without one).
+    pub async fn guess(&mut self, pacing: &mut Pacing) -> Option<u32> {
+        if self.tokens.is_empty() {
+            let _ = self.pull(pacing).await;
+        }
+        self.tokens.first().map(|t| t.token).filter(|_| self.guess)
+    }
+
+    /// Drafting after the guess proved right: the rest becomes the current block, completed to at
+    /// most `cap` tokens.
+    pub fn without_guess(mut self, cap: usize) -> Self {
+        if self.guess && !self.tokens.is_empty() {
+            self.tokens.remove(0);
+            self.dropped_guess = true;
+        }
+        self.guess = false;
+        self.cap = cap;
+        self
+    }
+
+    /// Drafts the rest of the block (to its cap, an end-of-sequence token, or the pacing's stop) and
+    /// returns its tokens, any beyond the cap dropped, with the draft model's time for them.
+    pub async fn complete(mut self, pacing: &mut Pacing) -> Result<(Vec<DraftToken>, Duration), EngineError> {
+        while self.pull(pacing).await? {}
+        let pulled = self.tokens.len() + usize::from(self.dropped_guess);
+        self.tokens.truncate(self.cap + usize::from(self.guess));
+        // The draft model's step time, spread over every token it drew for this stream.
+        let time = if pulled == 0 { Duration::ZERO } else { self.busy.mul_f64(self.tokens.len() as f64 / pulled as f64) };
+        Ok((self.tokens, time))
+    }
+}
+
+/// What a round observed, for the pacing.
+pub(crate) fn observation(
+    drafts: &[DraftToken],
+    accepted: usize,
+    draft_time: Duration,
+    latency: Duration,
+    verifier: Option<Duration>,
+    guess: Option<bool>,
+) -> RoundObservation {
+    RoundObservation {
+        drafted: drafts.len(),
+        accepted,
+        confidences: drafts.iter().map(|d| d.q.prob(d.token) as f32).collect(),
+        draft_time,
+        call_latency: latency,
+        verifier_time: verifier,
+        ahead_guess: guess,
+    }
+}
