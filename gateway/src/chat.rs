@@ -4,8 +4,9 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use rand::Rng;
 use spade_core::limits::MAX_TOP_LOGPROBS;
-use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, MessageContent, Role, StopSequences};
+use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, DraftLen, MessageContent, Role, StopSequences};
 use spade_core::{ErrorBody, SamplingParams};
+use spade_engine::speculative::DraftLength;
 use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
 
@@ -30,6 +31,8 @@ pub struct ValidChat {
     pub stream: bool,
     pub include_usage: bool,
     pub top_logprobs: Option<u8>,
+    /// `spade.draft_len`, where the request sets it.
+    pub draft_len: Option<DraftLen>,
 }
 
 fn refuse(param: &str, message: &str) -> ApiError {
@@ -136,6 +139,7 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         stream: req.stream,
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         top_logprobs,
+        draft_len: req.spade.and_then(|s| s.draft_len),
     })
 }
 
@@ -168,7 +172,7 @@ pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<Cha
     state.metrics.record_request();
     // Failures after the generation starts are counted by the generation itself.
     let (valid, job) = prepare(&state, req).await.inspect_err(|_| state.metrics.record_failure())?;
-    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), state.settings.draft_len, valid.top_logprobs.is_some());
+    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), valid.top_logprobs.is_some());
     let (tx, mut rx) = mpsc::channel(64);
     tokio::spawn(generation::run(state.clone(), job, tx));
     // Wait for the first event, so a failure before any output gets a real status code.
@@ -188,13 +192,21 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
     let valid = validate(req)?;
     let model = state.model()?.clone();
     let prompt = model.encode_chat(&valid.messages).await?;
-    let (max_context, verify) = match state.verifier_info().await {
-        Ok(info) => (info.max_context.min(model.meta().max_context) as usize, true),
+    let max_draft_len = state.settings.max_draft_len;
+    let (max_context, max_draft, verify) = match state.verifier_info().await {
+        Ok(info) => (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true),
         Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
-            (model.meta().max_context as usize, false)
+            (model.meta().max_context as usize, max_draft_len, false)
         }
         Err(e) => return Err(e),
+    };
+    let draft_len = match valid.draft_len.unwrap_or(state.settings.draft_len).fixed() {
+        Some(n) if n as usize > max_draft && valid.draft_len.is_some() => {
+            return Err(ApiError::invalid("spade.draft_len", format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")")));
+        }
+        Some(n) => DraftLength::Fixed(n as usize),
+        None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone() },
     };
     let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some("messages".into()), code: Some("context_length_exceeded") });
     if prompt.len() >= max_context {
@@ -218,6 +230,7 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
         seed: valid.seed.unwrap_or_else(|| rand::rng().random()),
         stops: valid.stops.clone(),
         top_logprobs: valid.top_logprobs,
+        draft_len,
         verify,
         reproducible: valid.seed.is_some() && !valid.sampling.is_greedy(),
     };

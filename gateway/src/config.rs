@@ -4,6 +4,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use spade_core::openai::DraftLen;
 use spade_http::{Command, ServerArgs};
 
 spade_http::server_profile!(GatewayFlags, "SPADE_GATEWAY", port = "8080", max_body_bytes = "4194304");
@@ -30,11 +31,22 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_API_KEY", hide_env_values = true)]
     pub verifier_api_key: Option<String>,
 
-    /// Draft tokens per verify call; 0 sends no drafts (target-only decoding through the verifier).
-    /// The default 4 was the best tokens per call vs draft time on the Qwen2.5-Coder 0.5B/1.5B pair.
-    /// At most the verifier's --max-draft: /health reports not ready otherwise.
-    #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value_t = 4)]
-    pub draft_len: usize,
+    /// Draft tokens per verify call: `auto` chooses each round from measured acceptance, draft speed,
+    /// link round trip and verifier time (up to --max-draft-len); a number fixes it; 0 sends no drafts
+    /// (target-only decoding through the verifier). Requests may override it (`spade.draft_len`).
+    /// A fixed length must not exceed the verifier's --max-draft: /health reports not ready otherwise.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value = "auto")]
+    pub draft_len: DraftLen,
+
+    /// Most draft tokens per verify call under `auto` and in a request's `spade.draft_len` (also
+    /// capped by the verifier's --max-draft).
+    #[arg(long, env = "SPADE_GATEWAY_MAX_DRAFT_LEN", default_value_t = 8)]
+    pub max_draft_len: usize,
+
+    /// Keep drafting the likely continuation while a block is being verified, and send it at once
+    /// when the verifier's answer confirms it (exactly lossless either way).
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_AHEAD", default_value_t = true, action = clap::ArgAction::Set)]
+    pub draft_ahead: bool,
 
     /// Most tokens in a sampled draft distribution q (sent with every draft token). 0 keeps the
     /// request's own truncation, which can mean the whole vocabulary: megabytes per call.
@@ -110,6 +122,9 @@ impl Config {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
             return Err("timeouts must be positive numbers of seconds".into());
+        }
+        if let Some(n) = self.draft_len.fixed().filter(|&n| n as usize > self.max_draft_len) {
+            return Err(format!("--draft-len {n} is above --max-draft-len {}", self.max_draft_len));
         }
         if self.max_concurrent == 0 || self.keep_alive_secs == 0 || self.max_completion_tokens == Some(0) {
             return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());

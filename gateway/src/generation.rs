@@ -8,10 +8,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use spade_core::openai::{FinishReason, TokenLogprobContent, TopLogprob};
+use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
 use spade_core::{IncrementalDecoder, SamplingParams, StopMatcher};
-use spade_engine::speculative::{self, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
+use spade_engine::speculative::{self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
 use spade_engine::{DraftParams, EdgeModel, EngineError};
 use tokio::sync::mpsc;
 
@@ -31,6 +31,7 @@ pub struct Job {
     pub stops: Vec<String>,
     /// Some(n): return each token's logprob with n alternatives.
     pub top_logprobs: Option<u8>,
+    pub draft_len: DraftLength,
     /// False when the verifier was already known to be down and the fallback is on.
     pub verify: bool,
     /// A seeded sampled request: worth a fresh draft cache so that it reproduces.
@@ -76,7 +77,8 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
     let _end = EndsGeneration(model.clone());
     let params = LoopParams {
         max_new_tokens: job.max_tokens,
-        draft_len: state.settings.draft_len,
+        draft_len: job.draft_len.clone(),
+        draft_ahead: state.settings.draft_ahead,
         draft: DraftParams { sampling: job.sampling.for_draft(state.settings.draft_top_k), seed: job.seed },
         stop_token_ids: model.meta().stop_token_ids.clone(),
         when_unreachable: match state.settings.fallback {
@@ -108,6 +110,16 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         degraded: stats.degraded,
         ttft: output.ttft,
         duration: Default::default(),
+        draft_len: job.draft_len.label(),
+        ahead_drafted: stats.ahead_drafted as u64,
+        ahead_used: stats.ahead_used as u64,
+        timing: SpadeTiming {
+            draft_s: stats.draft_time.as_secs_f64(),
+            overlap_s: stats.overlap_time.as_secs_f64(),
+            link_s: stats.verify_time.saturating_sub(stats.verifier_time).as_secs_f64(),
+            verifier_s: stats.verifier_time.as_secs_f64(),
+        },
+        auto: stats.choice,
     };
     Ok((finish, record))
 }

@@ -26,7 +26,7 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tracing::info!(verifier = %config.verifier_url, draft_len = config.draft_len, "gateway starting");
+    tracing::info!(verifier = %config.verifier_url, draft_len = %config.draft_len, "gateway starting");
     // /health answers 503 until the draft model is loaded and the verifier matches.
     spade_http::run(config.server.addr(), router(state.clone()), load(config, state)).await
 }

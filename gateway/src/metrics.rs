@@ -5,14 +5,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
+use spade_core::draft_control::DraftChoice;
 use spade_core::metrics::render_scalar;
+use spade_core::openai::{DraftLen, SpadeTiming};
 use spade_core::Histogram;
 
 const SECONDS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const TOKENS_PER_SECOND: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0];
 
 /// What one finished generation reports.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct GenerationRecord {
     pub completion_tokens: u64,
     pub verify_calls: u64,
@@ -23,6 +25,11 @@ pub struct GenerationRecord {
     pub degraded: bool,
     pub ttft: Option<Duration>,
     pub duration: Duration,
+    pub draft_len: DraftLen,
+    pub ahead_drafted: u64,
+    pub ahead_used: u64,
+    pub timing: SpadeTiming,
+    pub auto: Option<DraftChoice>,
 }
 
 pub struct Metrics {
@@ -35,6 +42,10 @@ pub struct Metrics {
     accepted: AtomicU64,
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
+    ahead_drafted: AtomicU64,
+    ahead_used: AtomicU64,
+    /// Seconds where the generations' time went (SpadeTiming, summed).
+    timing: Mutex<SpadeTiming>,
     ttft: Mutex<Histogram>,
     tokens_per_second: Mutex<Histogram>,
     verify_latency: Mutex<Histogram>,
@@ -52,6 +63,9 @@ impl Default for Metrics {
             accepted: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
+            ahead_drafted: AtomicU64::new(0),
+            ahead_used: AtomicU64::new(0),
+            timing: Mutex::default(),
             ttft: Mutex::new(Histogram::new(SECONDS)),
             tokens_per_second: Mutex::new(Histogram::new(TOKENS_PER_SECOND)),
             verify_latency: Mutex::new(Histogram::new(SECONDS)),
@@ -85,6 +99,15 @@ impl Metrics {
         add(&self.bytes_sent, r.bytes_sent);
         add(&self.bytes_received, r.bytes_received);
         add(&self.degraded, u64::from(r.degraded));
+        add(&self.ahead_drafted, r.ahead_drafted);
+        add(&self.ahead_used, r.ahead_used);
+        {
+            let mut t = self.timing.lock().unwrap_or_else(|p| p.into_inner());
+            t.draft_s += r.timing.draft_s;
+            t.overlap_s += r.timing.overlap_s;
+            t.link_s += r.timing.link_s;
+            t.verifier_s += r.timing.verifier_s;
+        }
         if let Some(ttft) = r.ttft {
             observe(&self.ttft, ttft.as_secs_f64());
         }
@@ -93,7 +116,8 @@ impl Metrics {
         }
     }
 
-    pub fn render(&self, ready: bool) -> String {
+    /// `auto`: what a generation with `auto` draft length would start from now.
+    pub fn render(&self, ready: bool, auto: &DraftChoice) -> String {
         let mut out = String::new();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut counter = |name: &str, help: &str, v: u64| render_scalar(&mut out, "counter", name, help, v);
@@ -109,6 +133,23 @@ impl Metrics {
         counter("spade_gateway_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.", load(&self.accepted));
         counter("spade_gateway_bytes_sent_total", "Bytes of /verify requests.", load(&self.bytes_sent));
         counter("spade_gateway_bytes_received_total", "Bytes of /verify answers.", load(&self.bytes_received));
+        counter("spade_gateway_draft_ahead_rounds_total", "Rounds that drafted ahead while a block was verified.", load(&self.ahead_drafted));
+        counter("spade_gateway_draft_ahead_used_total", "Drafted-ahead blocks sent (the verifier confirmed their prefix).", load(&self.ahead_used));
+        let timing = self.timing.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut seconds = |name: &str, help: &str, v: f64| render_scalar(&mut out, "counter", name, help, v);
+        seconds("spade_gateway_draft_seconds_total", "Drafting that generations waited for.", timing.draft_s);
+        seconds("spade_gateway_draft_overlap_seconds_total", "Drafting hidden under verify calls (draft-ahead).", timing.overlap_s);
+        seconds("spade_gateway_link_seconds_total", "Verify calls minus the verifier's reported time: the link, both ways.", timing.link_s);
+        seconds("spade_gateway_verifier_seconds_total", "The verifier's reported time (queue and forward passes).", timing.verifier_s);
+        let mut gauge = |name: &str, help: &str, v: f64| render_scalar(&mut out, "gauge", name, help, v);
+        gauge("spade_gateway_auto_draft_len", "Draft length an `auto` generation would start with now.", auto.draft as f64);
+        gauge("spade_gateway_auto_expected_tokens_per_second", "Its expected committed tokens per second.", auto.tokens_per_s);
+        gauge("spade_gateway_auto_link_rtt_seconds", "Estimated link round trip (call latency minus verifier time).", auto.rtt_s);
+        gauge("spade_gateway_auto_draft_step_seconds", "Estimated draft model time per token.", auto.t_draft_s);
+        gauge("spade_gateway_auto_verify_base_seconds", "Estimated verifier time per call, fixed part (a in a + b * rows).", auto.verify_a_s);
+        gauge("spade_gateway_auto_verify_row_seconds", "Estimated verifier time per scored row (b).", auto.verify_b_s);
+        gauge("spade_gateway_auto_first_acceptance", "Estimated acceptance of the first draft position.", auto.alpha.first().copied().unwrap_or(0.0));
+        gauge("spade_gateway_auto_ahead_match", "Estimated probability that the drafted-ahead guess matches the verifier's token.", auto.beta);
         let drafted = load(&self.drafted);
         let rate = if drafted == 0 { 0.0 } else { load(&self.accepted) as f64 / drafted as f64 };
         render_scalar(&mut out, "gauge", "spade_gateway_acceptance_rate", "Accepted over drafted tokens since start.", rate);

@@ -26,18 +26,16 @@ pub struct Meta {
     created: u64,
     model: String,
     prompt_tokens: usize,
-    draft_len: usize,
     logprobs: bool,
 }
 
 impl Meta {
-    pub fn new(model: &str, prompt_tokens: usize, draft_len: usize, logprobs: bool) -> Self {
+    pub fn new(model: &str, prompt_tokens: usize, logprobs: bool) -> Self {
         Self {
             id: format!("chatcmpl-{:024x}", rand::rng().random::<u128>() >> 32),
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             model: model.to_string(),
             prompt_tokens,
-            draft_len,
             logprobs,
         }
     }
@@ -55,7 +53,11 @@ impl Meta {
             spade: Some(SpadeUsage {
                 verify_calls: r.verify_calls as u32,
                 mean_tokens_per_call: if r.verify_calls == 0 { 0.0 } else { r.completion_tokens as f64 / r.verify_calls as f64 },
-                draft_len: self.draft_len as u32,
+                draft_len: r.draft_len,
+                ahead_drafted: r.ahead_drafted as u32,
+                ahead_used: r.ahead_used as u32,
+                timing: r.timing.clone(),
+                auto: r.auto.clone(),
                 bytes_sent: r.bytes_sent,
                 bytes_received: r.bytes_received,
                 degraded: r.degraded,

@@ -1,9 +1,11 @@
 //! What every handler shares.
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use spade_core::draft_control::{DraftChoice, DraftController, Estimates};
 use spade_core::limits::MAX_TOP_LOGPROBS;
+use spade_core::openai::DraftLen;
 use spade_core::protocol::ModelInfo;
 use spade_engine::EdgeModel;
 use spade_http::{HttpSettings, ModelSlot};
@@ -15,7 +17,11 @@ use crate::verifier::{CallError, VerifierClient};
 
 #[derive(Debug, Clone)]
 pub struct Settings {
-    pub draft_len: usize,
+    /// The default of requests that do not set `spade.draft_len`.
+    pub draft_len: DraftLen,
+    /// Cap of `auto` and of a request's fixed length (with the verifier's `max_draft`).
+    pub max_draft_len: usize,
+    pub draft_ahead: bool,
     pub draft_top_k: u32,
     pub max_completion_tokens: Option<usize>,
     pub fallback: OfflineFallback,
@@ -30,6 +36,9 @@ pub struct Gateway {
     /// The verifier's answer to /v1/info once its vocabulary was seen to match the draft's.
     verifier_info: RwLock<Option<ModelInfo>>,
     pub settings: Settings,
+    /// What `auto` draft lengths have learned about acceptance, the draft, the link and the verifier:
+    /// each generation starts from it and feeds it back.
+    pub draft_estimates: Arc<Mutex<Estimates>>,
     pub metrics: Metrics,
     pub http: HttpSettings,
     pub started: u64,
@@ -53,12 +62,15 @@ impl Gateway {
             verifier_info: RwLock::new(None),
             settings: Settings {
                 draft_len: config.draft_len,
+                max_draft_len: config.max_draft_len,
+                draft_ahead: config.draft_ahead,
                 draft_top_k: config.draft_top_k,
                 max_completion_tokens: config.max_completion_tokens,
                 fallback: config.offline_fallback,
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),
             },
+            draft_estimates: Arc::default(),
             metrics: Metrics::default(),
             http: config.server.http(),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -96,8 +108,7 @@ impl Gateway {
     /// Which of the verifier's limits this gateway's settings or requests would break, if any: each
     /// would otherwise show up per request, as the verifier's 400 turned into a 502.
     fn exceeded_limit(&self, info: &ModelInfo) -> Option<String> {
-        let draft_len = self.settings.draft_len;
-        if draft_len > info.max_draft as usize {
+        if let Some(draft_len) = self.settings.draft_len.fixed().filter(|&n| n > info.max_draft) {
             return Some(format!(
                 "this gateway drafts {draft_len} tokens per verify call (--draft-len) but the verifier accepts at most {} (its --max-draft): lower --draft-len or raise --max-draft",
                 info.max_draft
@@ -107,6 +118,14 @@ impl Gateway {
             return Some(format!("the verifier serves at most {} top_logprobs; this gateway accepts up to {MAX_TOP_LOGPROBS}", info.max_top_logprobs));
         }
         None
+    }
+
+    /// What a generation with an `auto` draft length would start from now.
+    pub fn auto_choice(&self) -> DraftChoice {
+        let known_max = self.verifier_info.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|i| i.max_draft as usize);
+        let max = self.settings.max_draft_len.min(known_max.unwrap_or(usize::MAX));
+        let estimates = self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        DraftController::new(max, self.settings.draft_ahead, estimates).choice()
     }
 
     /// The verifier's info, checked once and then remembered (a restarted verifier with another

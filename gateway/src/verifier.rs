@@ -222,7 +222,8 @@ impl BlockVerifier for RemoteSession {
                 return Err(VerifyFailure::Rejected(format!("session length {} out of step ({expected} expected)", r.session_len)));
             }
             self.synced = expected;
-            return Ok(Verified { accepted, committed, logprobs: r.logprobs.unwrap_or_default() });
+            let verifier_time = Duration::from_secs_f64((r.timing.queue_ms + r.timing.forward_ms).max(0.0) / 1000.0);
+            return Ok(Verified { accepted, committed, logprobs: r.logprobs.unwrap_or_default(), verifier_time: Some(verifier_time) });
         }
     }
 }

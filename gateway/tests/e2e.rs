@@ -37,6 +37,16 @@ async fn streamed_and_plain_answers_equal_target_only_greedy() {
         assert_eq!(streamed.end, Ok(()));
     }
 
+    // The default, `auto` with draft-ahead, and per-request lengths (0 = target-only) give the same text.
+    let auto = start_gateway(&verifier.url, &[]).await;
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        for draft_len in [json!("auto"), json!(0), json!(2)] {
+            let plain = complete(&auto.url, &req(prompt, json!({"spade": {"draft_len": draft_len}}))).await;
+            assert_eq!(content(&plain), expected, "draft_len {draft_len}: {prompt}");
+            assert_eq!(plain["usage"]["spade"]["draft_len"], draft_len, "{plain}");
+        }
+    }
+
     // Sampling with the API defaults (temperature 1, no truncation): the draft's q is capped, so
     // each call stays small on the wire.
     let sampled = complete(&gateway.url, &req(PROMPTS[1], json!({"temperature": 1.0, "seed": 3}))).await;
@@ -114,6 +124,34 @@ async fn verifier_killed_mid_stream_ends_with_an_error_or_degrades() {
         );
         assert!(pass, "{text}");
     }
+}
+
+/// `spade.draft_len` per request: 0 is target-only (one verify call per token), a number is used as is,
+/// `auto` reports its choice; out-of-range and malformed values are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_request_draft_len_is_honoured_and_checked() {
+    let verifier = start_verifier_on(0, &["--max-draft", "6"]).await;
+    let gateway = start_gateway(&verifier.url, &["--max-draft-len", "8"]).await;
+    let ask = |draft_len: Value| req(PROMPTS[0], json!({"max_tokens": 24, "spade": {"draft_len": draft_len}}));
+    let target_only = complete(&gateway.url, &ask(json!(0))).await;
+    let spade = &target_only["usage"]["spade"];
+    assert_eq!(spade["verify_calls"], target_only["usage"]["completion_tokens"], "{spade}");
+    assert_eq!(target_only["usage"]["completion_tokens_details"]["accepted_prediction_tokens"], 0);
+    let fixed = complete(&gateway.url, &ask(json!(3))).await;
+    assert_eq!(content(&fixed), content(&target_only));
+    assert!(fixed["usage"]["spade"]["verify_calls"].as_u64() < spade["verify_calls"].as_u64(), "{}", fixed["usage"]);
+    let auto = complete(&gateway.url, &ask(json!("auto"))).await;
+    assert_eq!(content(&auto), content(&target_only));
+    let choice = &auto["usage"]["spade"]["auto"];
+    assert!(choice["draft"].as_u64().is_some_and(|d| d <= 6) && choice["rtt_s"].is_number(), "{choice}");
+    // The verifier's --max-draft 6 caps what a request may ask, below the gateway's --max-draft-len 8.
+    for bad in [json!(7), json!(-1), json!("fast"), json!(2.5)] {
+        let (status, body) = post(&gateway.url, &ask(bad.clone())).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap_or_default().contains("draft_len"), "{bad}: {body}");
+    }
+    let (_, body) = post(&gateway.url, &ask(json!(7))).await;
+    assert_eq!(body["error"]["param"], "spade.draft_len", "{body}");
 }
 
 /// A gateway drafting more tokens per call than the verifier accepts is not ready, and says why,
