@@ -4,8 +4,11 @@
     python3 bench/plot.py RESULTS_DIR      # reads RESULTS_DIR/results.json, writes RESULTS_DIR/plot.png
 
 Left: target (cloud) calls saved vs target-only, greedy and sampled, from the accounting runs.
-Right: end-to-end tokens/s (median over repetitions, bars from min to max) through the emulated
-link, one line per RTT; draft length 0 is target-only; the dashed line is the draft model alone.
+Middle: end-to-end tokens/s on the long prompts (median over repetitions, bars from min to max)
+through the emulated link, one line per RTT; draft length 0 is target-only; a dashed line of the same
+colour is `auto` at that RTT, a hollow marker a draft length without draft-ahead; the dotted grey line
+is the draft model alone.
+Right: the drift case (RTT changing mid-run), tokens/s per mode.
 """
 import json
 import sys
@@ -36,7 +39,7 @@ def main(folder):
     folder = Path(folder)
     run = json.loads((folder / "results.json").read_text())
     summary = run["summary"]
-    fig, (calls_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (calls_ax, speed_ax, drift_ax) = plt.subplots(1, 3, figsize=(17, 4.8))
 
     for rows, label, style in ((summary["greedy"], "greedy (T=0)", "o-"), (summary["sampled"], f"sampled (T={run['plan']['temperature']})", "s--")):
         pts = points(rows, lambda r: None if r["calls_saved"] is None else 100 * r["calls_saved"])
@@ -49,16 +52,23 @@ def main(folder):
     calls_ax.legend()
     calls_ax.set_title("Cloud calls saved")
 
+    speed = summary.get("speed", [])
     for rtt in run["plan"]["rtts_ms"]:
-        rows = [r for r in summary["rtt"] if r["rtt_ms"] == rtt and r.get("tokens_per_s")]
+        rows = [r for r in speed if r["rtt_ms"] == rtt and r.get("tokens_per_s")]
         pts = points(rows, lambda r: r["tokens_per_s"])
         if not pts:
             continue
         xs = [x for x, _ in pts]
         med = [s["median"] for _, s in pts]
         err = [[s["median"] - s["min"] for _, s in pts], [s["max"] - s["median"] for _, s in pts]]
-        speed_ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"RTT {rtt} ms")
-    draft_only = [r for r in summary["rtt"] if r["mode"] == "draft_only" and r.get("tokens_per_s")]
+        line = speed_ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=f"RTT {rtt} ms")
+        colour = line[0].get_color()
+        for r in rows:
+            if r["mode"] == "auto":
+                speed_ax.axhline(r["tokens_per_s"]["median"], color=colour, linestyle="--", linewidth=1)
+            elif isinstance(r["mode"], dict) and "no_ahead" in r["mode"]:
+                speed_ax.plot([r["mode"]["no_ahead"]], [r["tokens_per_s"]["median"]], "o", mfc="none", color=colour)
+    draft_only = [r for r in speed if r["mode"] == "draft_only" and r.get("tokens_per_s")]
     if draft_only:
         speed_ax.axhline(draft_only[0]["tokens_per_s"]["median"], color="grey", linestyle=":", label="draft model alone")
     speed_ax.set_xlabel("draft length (0 = target-only)")
@@ -66,7 +76,21 @@ def main(folder):
     speed_ax.set_ylim(bottom=0)
     speed_ax.grid(alpha=0.3)
     speed_ax.legend()
-    speed_ax.set_title("Speed through an emulated link (greedy)")
+    speed_ax.set_title("Long prompts through an emulated link (greedy; dashed: auto)")
+
+    drift = [r for r in summary.get("drift", []) if r.get("tokens_per_s")]
+    if drift:
+        labels = [r["label"].replace("speculative ", "") for r in drift]
+        med = [r["tokens_per_s"]["median"] for r in drift]
+        err = [[r["tokens_per_s"]["median"] - r["tokens_per_s"]["min"] for r in drift], [r["tokens_per_s"]["max"] - r["tokens_per_s"]["median"] for r in drift]]
+        drift_ax.bar(range(len(drift)), med, yerr=err, capsize=3, color=["tab:red" if r["mode"] == "auto" else "tab:blue" for r in drift])
+        drift_ax.set_xticks(range(len(drift)), labels, rotation=20, ha="right")
+        d = run["plan"].get("drift") or {}
+        drift_ax.set_title(f"Drift: RTT {d.get('from_ms')} → {d.get('to_ms')} ms mid-output")
+    else:
+        drift_ax.set_title("Drift: not run")
+    drift_ax.set_ylabel("end-to-end tokens/s (median, min–max)")
+    drift_ax.grid(alpha=0.3, axis="y")
 
     machine = run["machine"]
     fig.suptitle(f"SPADE, {Path(run['models']['draft']).name} drafting for {Path(run['models']['target']).name}, "

@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # The benchmark of issue 8: cloud calls saved, losslessness, speed, and the network's effect.
 #
-#   bash scripts/bench.sh [spade-bench options]      e.g. --dry-run, --draft-lens 1,2,4,6,8, --reps 5
+#   bash scripts/bench.sh [spade-bench options]      e.g. --dry-run, --quick, --draft-lens 1,2,4,6,8, --reps 5
+#
+# Two machines emulated on one: spade-bench pins the verifier to one core (`taskset -c`, --threads 1)
+# and every gateway to another (`taskset -c`, RAYON_NUM_THREADS=1), in every mode, target-only
+# included (--no-pin turns that off; without taskset or a second CPU it warns and runs unpinned). The
+# link between them is spade-bench's in-process delay proxy: RTTs 0, 20, 50, 100 and 200 ms, and a
+# drift case where the RTT goes from 20 to 150 ms halfway through the output. Speed is measured on the
+# long prompts (>= 128 output tokens); --quick is a run of under 10 minutes.
 #
 # Fetches the Qwen2.5-Coder 0.5B/1.5B pair if missing, builds the workspace (dev profile: every
 # dependency is optimised, see Cargo.toml), runs spade-bench (it starts spade-verifier and one
@@ -33,6 +40,12 @@ if [ -x "$venv/bin/python" ] || python3 -m venv "$venv" >/dev/null 2>&1; then
   fi
 fi
 [ -n "$plot_python" ] || echo "bench: warning: no matplotlib (could not set up $venv); the plot will be skipped" >&2
+
+if ! command -v taskset >/dev/null; then
+  echo "bench: warning: no taskset (util-linux): verifier and gateway will share every core (see results.md)" >&2
+elif [ "$(nproc)" -lt 2 ]; then
+  echo "bench: warning: $(nproc) CPU: verifier and gateway cannot get a core each (see results.md)" >&2
+fi
 
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT

@@ -2,15 +2,18 @@
 //!
 //! Every request streams (`stream: true` with `stream_options.include_usage`), so time to first
 //! token is measured at the client, and the usage chunk at the end carries the gateway's accounting
-//! (verify calls, accepted drafts, bytes on the wire).
+//! (verify calls, accepted drafts, drafting ahead, where the time went, bytes on the wire).
+//!
+//! The chunks are read with the benchmark's own lenient types rather than `spade_core`'s: every
+//! field of `usage.spade` defaults when absent, so a gateway from before a field existed still
+//! gives the figures it has.
 
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context};
 use futures::StreamExt;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use spade_core::openai::{ChatCompletionChunk, Usage};
 
 use crate::prompts::Message;
 
@@ -39,6 +42,76 @@ pub struct Outcome {
     pub ttft_s: f64,
     /// Seconds from sending the request to `[DONE]`.
     pub total_s: f64,
+    /// The draft length the gateway ran the request with (`usage.spade.draft_len`: a number or "auto").
+    pub draft_len: Option<Value>,
+    /// Rounds that drafted ahead while a block was verified, and pre-drafted blocks that were sent.
+    pub ahead_drafted: u64,
+    pub ahead_used: u64,
+    /// Where the generation's time went (`usage.spade.timing`), seconds over the whole request.
+    pub timing: RoundTiming,
+    /// Under `auto`: the gateway's last choice and the estimates behind it, as it sent them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto: Option<Value>,
+}
+
+/// `usage.spade.timing`: seconds of drafting waited for, drafting hidden under verify calls, verify
+/// calls minus the verifier's own time (the link), and the verifier's own time (queue + forward).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RoundTiming {
+    pub draft_s: f64,
+    pub overlap_s: f64,
+    pub link_s: f64,
+    pub verifier_s: f64,
+}
+
+/// The parts of a `chat.completion.chunk` the benchmark reads; everything else is ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireChunk {
+    choices: Vec<WireChoice>,
+    usage: Option<WireUsage>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireChoice {
+    delta: WireDelta,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireDelta {
+    content: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireUsage {
+    completion_tokens: u64,
+    completion_tokens_details: WireDetails,
+    spade: Option<WireSpade>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireDetails {
+    accepted_prediction_tokens: u64,
+    rejected_prediction_tokens: u64,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct WireSpade {
+    verify_calls: u64,
+    draft_len: Option<Value>,
+    ahead_drafted: u64,
+    ahead_used: u64,
+    timing: RoundTiming,
+    auto: Option<Value>,
+    bytes_sent: u64,
+    bytes_received: u64,
+    degraded: bool,
 }
 
 /// Splits a byte stream of Server-Sent Events into the payloads of its `data:` lines. Bytes may
@@ -65,7 +138,7 @@ impl SseDecoder {
 }
 
 /// Folds one `data:` payload into `out`; true at `[DONE]`. An error event fails the request.
-fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<Usage>, first_text: &mut bool) -> anyhow::Result<bool> {
+fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<WireUsage>, first_text: &mut bool) -> anyhow::Result<bool> {
     if payload == "[DONE]" {
         return Ok(true);
     }
@@ -73,7 +146,7 @@ fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<Usage>, first_text
     if let Some(error) = value.get("error") {
         bail!("error event mid-stream: {error}");
     }
-    let chunk: ChatCompletionChunk = serde_json::from_value(value).with_context(|| format!("not a chunk: {payload:?}"))?;
+    let chunk: WireChunk = serde_json::from_value(value).with_context(|| format!("not a chunk: {payload:?}"))?;
     for choice in &chunk.choices {
         if let Some(text) = choice.delta.content.as_deref().filter(|t| !t.is_empty()) {
             *first_text = true;
@@ -87,7 +160,8 @@ fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<Usage>, first_text
 }
 
 /// Sends one streamed chat completion to `base_url` (the gateway) and reads it to the end.
-pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatRequest<'_>) -> anyhow::Result<Outcome> {
+/// `on_text` sees every text delta as it arrives, with the seconds since the request was sent.
+pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatRequest<'_>, on_text: &mut dyn FnMut(&str, f64)) -> anyhow::Result<Outcome> {
     let body = json!({
         "model": "spade",
         "messages": req.messages,
@@ -111,10 +185,12 @@ pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatReq
     while let Some(bytes) = stream.next().await {
         let bytes = bytes.context("reading the stream")?;
         for payload in decoder.push(&bytes) {
-            let mut first_text = false;
+            let (mut first_text, before) = (false, out.text.len());
             done |= apply(&payload, &mut out, &mut usage, &mut first_text)?;
-            if first_text && ttft.is_none() {
-                ttft = Some(started.elapsed());
+            if first_text {
+                let now = started.elapsed();
+                ttft.get_or_insert(now);
+                on_text(&out.text[before..], now.as_secs_f64());
             }
         }
     }
@@ -125,13 +201,18 @@ pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatReq
     }
     let usage = usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
     let spade = usage.spade.ok_or_else(|| anyhow!("usage has no `spade` object"))?;
-    out.completion_tokens = usage.completion_tokens.into();
-    out.accepted = usage.completion_tokens_details.accepted_prediction_tokens.into();
-    out.rejected = usage.completion_tokens_details.rejected_prediction_tokens.into();
-    out.verify_calls = spade.verify_calls.into();
+    out.completion_tokens = usage.completion_tokens;
+    out.accepted = usage.completion_tokens_details.accepted_prediction_tokens;
+    out.rejected = usage.completion_tokens_details.rejected_prediction_tokens;
+    out.verify_calls = spade.verify_calls;
     out.bytes_sent = spade.bytes_sent;
     out.bytes_received = spade.bytes_received;
     out.degraded = spade.degraded;
+    out.draft_len = spade.draft_len;
+    out.ahead_drafted = spade.ahead_drafted;
+    out.ahead_used = spade.ahead_used;
+    out.timing = spade.timing;
+    out.auto = spade.auto;
     Ok(out)
 }
 
@@ -172,7 +253,25 @@ mod tests {
         assert!(!apply(&chunk(None, Some(usage)), &mut out, &mut u, &mut first).unwrap());
         assert!(apply("[DONE]", &mut out, &mut u, &mut first).unwrap());
         assert_eq!(out.text, "Hi");
-        assert_eq!(u.unwrap().spade.unwrap().verify_calls, 1);
+        let spade = u.unwrap().spade.unwrap();
+        assert_eq!(spade.verify_calls, 1);
+        assert_eq!((spade.ahead_drafted, spade.timing), (0, RoundTiming::default()), "fields an older gateway lacks default to 0");
+    }
+
+    #[test]
+    fn the_new_usage_fields_are_read() {
+        let usage = json!({"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
+            "completion_tokens_details": {"accepted_prediction_tokens": 6, "rejected_prediction_tokens": 2},
+            "spade": {"verify_calls": 3, "mean_tokens_per_call": 3.0, "draft_len": "auto", "ahead_drafted": 2, "ahead_used": 1,
+                "timing": {"draft_s": 0.5, "overlap_s": 0.25, "link_s": 0.3, "verifier_s": 0.9},
+                "auto": {"draft": 4, "p_hit": 0.6, "alpha": [0.9, 0.8]}, "bytes_sent": 10, "bytes_received": 5, "degraded": false}});
+        let (mut out, mut u, mut first) = (Outcome::default(), None, false);
+        apply(&chunk(None, Some(usage)), &mut out, &mut u, &mut first).unwrap();
+        let spade = u.unwrap().spade.unwrap();
+        assert_eq!((spade.ahead_drafted, spade.ahead_used), (2, 1));
+        assert_eq!(spade.timing, RoundTiming { draft_s: 0.5, overlap_s: 0.25, link_s: 0.3, verifier_s: 0.9 });
+        assert_eq!(spade.draft_len, Some(json!("auto")));
+        assert_eq!(spade.auto.unwrap()["draft"], 4);
     }
 
     #[test]

@@ -6,8 +6,9 @@
 //!   available); see [`link`] for the model of the link.
 //! - [`prompts`]: the benchmark prompt set (`bench/prompts.jsonl`) and its loader.
 //! - The `spade-bench` binary's pieces: [`plan`] (what a run does and how long it should take),
-//!   [`stack`] (verifier and gateway child processes), [`runner`] (the run itself), [`client`] (one
-//!   streamed, timed request), [`prom`] and [`machine`] (verifier counters and CPU time),
+//!   [`stack`] (verifier and gateway child processes), [`pinning`] (a core each), [`runner`] (the
+//!   run itself), [`client`] (one streamed, timed request), [`prom`] and [`machine`] (verifier
+//!   counters and CPU time),
 //!   [`summary`] and [`stats`] (the figures), [`report`] (the Markdown tables).
 //!
 //! The `spade-delay-proxy` binary is a thin command line over [`run_proxy`]; tests and benchmarks start
@@ -16,6 +17,7 @@
 pub mod client;
 pub mod link;
 pub mod machine;
+pub mod pinning;
 pub mod plan;
 pub mod prom;
 pub mod prompts;

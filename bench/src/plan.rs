@@ -1,16 +1,20 @@
 //! What a benchmark run does, in order, and how long that should take.
 //!
-//! A run is a list of batches (one mode, one kind of measurement, one link RTT, a list of prompts),
+//! A run is a list of batches (one mode, one kind of measurement, one link, a list of prompts),
 //! grouped into gateway sessions: each group runs on a freshly started gateway. The order is
 //! repetition-major, so the repetitions of a mode are spread over the whole run, and slow patches of
 //! a shared machine land in one repetition of every mode rather than in every repetition of one.
 //! Timing figures are medians over the repetitions.
 //!
-//! No gateway sees the same greedy request twice. The draft engine (mistral.rs 0.8.1 with its prefix
-//! cache) drafts about 5 s per round slower when a request repeats a finished one token for token (the
-//! whole context is a cache hit): measured at 0.4 instead of 2.3 tokens/s. Timing the one timing
-//! prompt at four RTTs on one gateway measured that instead of the link, so every RTT > 0 gets a
-//! gateway of its own.
+//! Two sets of prompts: the short ones (the prompt file's `max_tokens` < [`LONG_MIN_TOKENS`]) for the
+//! accounting and sampled figures, at `--max-tokens`; the long ones (`max_tokens` >=
+//! [`LONG_MIN_TOKENS`]) for speed through the link and the drift case, at `--long-max-tokens`, so
+//! that decoding, not the first token, dominates the time measured.
+//!
+//! No gateway sees the same greedy request twice. The draft engine (mistral.rs with its prefix
+//! cache) behaves differently when a request repeats a finished one token for token (the whole
+//! context is a cache hit), so every RTT > 0, and the drift case, get a gateway of their own: every
+//! link measures the same path from a cold draft cache.
 
 use std::fmt;
 
@@ -18,8 +22,12 @@ use serde::Serialize;
 
 use crate::prompts::{Category, Prompt};
 
-/// The gateway's largest draft length (`--draft-len` is refused above it).
+/// The verifier's largest draft length (its `--max-draft` default; the gateway refuses more).
 pub const MAX_DRAFT_LEN: u32 = 32;
+/// The gateway's default `--max-draft-len`: fixed lengths above it raise the gateway's cap too.
+pub const GATEWAY_MAX_DRAFT_LEN: u32 = 8;
+/// A prompt whose own `max_tokens` is at least this is a long prompt (timing and drift).
+pub const LONG_MIN_TOKENS: u32 = 128;
 
 /// How the gateway decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -30,16 +38,33 @@ pub enum Mode {
     /// The draft model alone (no verifier listens; `--offline-fallback draft`). Drafts
     /// [`MAX_DRAFT_LEN`] tokens per call so the draft model runs as a plain generator.
     DraftOnly,
-    /// Speculative decoding with this many draft tokens per verify call.
+    /// Speculative decoding with this many draft tokens per verify call, drafting ahead while a
+    /// block is verified (the gateway's default).
     Speculative(u32),
+    /// `--draft-len auto` (the gateway's default): the draft length is chosen each round; drafting ahead.
+    Auto,
+    /// A fixed draft length without drafting ahead (`--draft-ahead false`): what draft-ahead buys.
+    NoAhead(u32),
 }
 
 impl Mode {
-    pub fn gateway_draft_len(self) -> u32 {
+    /// The gateway's command-line arguments for this mode; `auto_max` caps `auto`.
+    pub fn gateway_args(self, auto_max: u32) -> Vec<String> {
+        let fixed = |d: u32, ahead: bool| {
+            let mut a = vec!["--draft-len".to_string(), d.to_string(), "--draft-ahead".into(), ahead.to_string()];
+            if d > GATEWAY_MAX_DRAFT_LEN {
+                a.extend(["--max-draft-len".into(), d.to_string()]);
+            }
+            a
+        };
         match self {
-            Mode::TargetOnly => 0,
-            Mode::DraftOnly => MAX_DRAFT_LEN,
-            Mode::Speculative(d) => d,
+            Mode::TargetOnly => vec!["--draft-len".into(), "0".into()],
+            Mode::DraftOnly => {
+                ["--draft-len", "32", "--max-draft-len", "32", "--offline-fallback", "draft", "--verify-retries", "0"].map(String::from).to_vec()
+            }
+            Mode::Speculative(d) => fixed(d, true),
+            Mode::NoAhead(d) => fixed(d, false),
+            Mode::Auto => ["--draft-len", "auto", "--draft-ahead", "true", "--max-draft-len", &auto_max.to_string()].map(String::from).to_vec(),
         }
     }
 
@@ -48,13 +73,31 @@ impl Mode {
         self != Mode::DraftOnly
     }
 
+    /// Whether the mode drafts and verifies (its greedy output must equal target-only's).
+    pub fn speculates(self) -> bool {
+        matches!(self, Mode::Speculative(_) | Mode::Auto | Mode::NoAhead(_))
+    }
+
+    /// The fixed draft length with draft-ahead: the modes `auto` is compared against.
+    pub fn fixed_with_ahead(self) -> Option<u32> {
+        match self {
+            Mode::Speculative(d) => Some(d),
+            _ => None,
+        }
+    }
+
     /// Draft length on the plots' x axis: target-only is draft length 0.
     pub fn plot_x(self) -> Option<u32> {
         match self {
             Mode::TargetOnly => Some(0),
-            Mode::DraftOnly => None,
             Mode::Speculative(d) => Some(d),
+            _ => None,
         }
+    }
+
+    /// The mode in a file name.
+    pub fn slug(self) -> String {
+        self.to_string().replace(' ', "-").replace('=', "")
     }
 }
 
@@ -64,6 +107,8 @@ impl fmt::Display for Mode {
             Mode::TargetOnly => write!(f, "target-only"),
             Mode::DraftOnly => write!(f, "draft-only"),
             Mode::Speculative(d) => write!(f, "speculative d={d}"),
+            Mode::Auto => write!(f, "speculative auto"),
+            Mode::NoAhead(d) => write!(f, "speculative d={d} no-ahead"),
         }
     }
 }
@@ -72,12 +117,14 @@ impl fmt::Display for Mode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Kind {
-    /// Greedy, no link delay, the full prompt list, once: calls, acceptance, cost, losslessness.
+    /// Greedy, no link delay, the short prompts, once: calls, acceptance, cost, losslessness.
     Accounting,
     /// Seeded sampling at the sampled temperature, no link delay, every repetition.
     Sampled,
-    /// Greedy on the timing prompts through a link of some RTT, every repetition.
+    /// Greedy on the long prompts through a link of some RTT, every repetition.
     Timing,
+    /// Greedy on the long prompts while the RTT changes halfway through the batch's output.
+    Drift,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -85,10 +132,23 @@ pub struct Batch {
     pub rep: u32,
     pub mode: Mode,
     pub kind: Kind,
+    /// The link's RTT (for drift: before the change).
     pub rtt_ms: u64,
+    /// Drift only: the RTT after the change.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drift_to_ms: Option<u64>,
     pub temperature: f64,
+    /// Most tokens per request (each prompt's own `max_tokens` caps it too).
+    pub max_tokens: u32,
     /// Indices into [`Plan::prompts`].
     pub prompts: Vec<usize>,
+}
+
+/// The drift case: the RTT changes from `from_ms` to `to_ms` halfway through a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Drift {
+    pub from_ms: u64,
+    pub to_ms: u64,
 }
 
 /// Everything a run will do, decided before it starts.
@@ -97,79 +157,113 @@ pub struct Plan {
     pub prompts: Vec<Prompt>,
     pub modes: Vec<Mode>,
     pub max_tokens: u32,
+    pub long_max_tokens: u32,
     pub temperature: f64,
     pub reps: u32,
     pub rtts_ms: Vec<u64>,
-    /// Prompts (indices) of each kind; the timing prompts are the first of the accounting prompts,
-    /// so repetition 0 at RTT 0 reuses the accounting requests instead of running them twice.
+    pub drift: Option<Drift>,
+    pub auto_max_draft_len: u32,
+    /// Prompts (indices) of each kind: accounting and sampled from the short prompts, interleaved by
+    /// category; long ones in file order.
     pub accounting: Vec<usize>,
     pub sampled: Vec<usize>,
-    pub timing: Vec<usize>,
+    pub long: Vec<usize>,
 }
 
 /// The sizes the command line chose.
 #[derive(Debug, Clone)]
 pub struct Sizes {
     pub draft_lens: Vec<u32>,
+    pub no_ahead_lens: Vec<u32>,
+    pub auto: bool,
+    pub draft_only: bool,
+    pub auto_max_draft_len: u32,
     pub accounting_prompts: usize,
     pub sampled_prompts: usize,
-    pub timing_prompts: usize,
+    pub long_prompts: usize,
     pub max_tokens: u32,
+    pub long_max_tokens: u32,
     pub temperature: f64,
     pub reps: u32,
     pub rtts_ms: Vec<u64>,
+    pub drift: Option<Drift>,
+}
+
+fn sorted(list: &[u32]) -> Vec<u32> {
+    let mut v = list.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
 }
 
 impl Plan {
     pub fn new(prompts: Vec<Prompt>, sizes: &Sizes) -> Result<Self, String> {
-        let order = interleave_categories(&prompts);
-        let n = sizes.accounting_prompts.min(order.len());
-        if n == 0 || sizes.reps == 0 || sizes.rtts_ms.is_empty() {
-            return Err("need at least one prompt, one repetition and one RTT".into());
+        let short: Vec<Prompt> = prompts.iter().filter(|p| p.max_tokens < LONG_MIN_TOKENS).cloned().collect();
+        let short_index: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].max_tokens < LONG_MIN_TOKENS).collect();
+        let order: Vec<usize> = interleave_categories(&short).into_iter().map(|i| short_index[i]).collect();
+        let long: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].max_tokens >= LONG_MIN_TOKENS).collect();
+        if sizes.reps == 0 || sizes.rtts_ms.is_empty() {
+            return Err("need at least one repetition and one RTT".into());
         }
-        if sizes.timing_prompts == 0 || sizes.timing_prompts > n || sizes.sampled_prompts > order.len() {
-            return Err(format!("timing prompts must be 1..={n} (the accounting prompts), sampled prompts at most {}", order.len()));
+        if sizes.accounting_prompts > order.len() || sizes.sampled_prompts > order.len() {
+            return Err(format!("accounting and sampled prompts: at most {} (the short prompts)", order.len()));
         }
-        if let Some(d) = sizes.draft_lens.iter().find(|&&d| d == 0 || d > MAX_DRAFT_LEN) {
+        if sizes.long_prompts == 0 || sizes.long_prompts > long.len() {
+            return Err(format!("long prompts must be 1..={} (prompts with max_tokens >= {LONG_MIN_TOKENS})", long.len()));
+        }
+        if sizes.max_tokens == 0 || sizes.long_max_tokens == 0 {
+            return Err("--max-tokens and --long-max-tokens must be at least 1".into());
+        }
+        if let Some(d) = sizes.draft_lens.iter().chain(&sizes.no_ahead_lens).chain([&sizes.auto_max_draft_len]).find(|&&d| d == 0 || d > MAX_DRAFT_LEN) {
             return Err(format!("draft length {d} is outside 1..={MAX_DRAFT_LEN}"));
         }
-        let mut draft_lens = sizes.draft_lens.clone();
-        draft_lens.sort_unstable();
-        draft_lens.dedup();
+        let mut modes = vec![Mode::TargetOnly];
+        if sizes.draft_only {
+            modes.push(Mode::DraftOnly);
+        }
+        modes.extend(sorted(&sizes.draft_lens).into_iter().map(Mode::Speculative));
+        if sizes.auto {
+            modes.push(Mode::Auto);
+        }
+        modes.extend(sorted(&sizes.no_ahead_lens).into_iter().map(Mode::NoAhead));
         let mut rtts_ms = sizes.rtts_ms.clone();
         rtts_ms.sort_unstable();
         rtts_ms.dedup();
-        let modes = [Mode::TargetOnly, Mode::DraftOnly].into_iter().chain(draft_lens.into_iter().map(Mode::Speculative)).collect();
         Ok(Self {
             modes,
             max_tokens: sizes.max_tokens,
+            long_max_tokens: sizes.long_max_tokens,
             temperature: sizes.temperature,
             reps: sizes.reps,
             rtts_ms,
-            accounting: order[..n].to_vec(),
+            drift: sizes.drift,
+            auto_max_draft_len: sizes.auto_max_draft_len,
+            accounting: order[..sizes.accounting_prompts].to_vec(),
             sampled: order[..sizes.sampled_prompts].to_vec(),
-            timing: order[..sizes.timing_prompts].to_vec(),
+            long: long[..sizes.long_prompts].to_vec(),
             prompts,
         })
     }
 
-    /// Tokens asked of prompt `i`: its own `max_tokens`, capped by the run's.
-    pub fn max_tokens_of(&self, i: usize) -> u32 {
-        self.prompts[i].max_tokens.min(self.max_tokens)
+    /// Tokens asked of prompt `i` in `batch`: its own `max_tokens`, capped by the batch's.
+    pub fn max_tokens_of(&self, batch: &Batch, i: usize) -> u32 {
+        self.prompts[i].max_tokens.min(batch.max_tokens)
     }
 
     /// The batches of repetition `rep` for `mode`, one group per gateway, in the order they run.
-    /// The first gateway runs everything without link delay (timing first, so the timing prompts
-    /// meet the gateway in the same state in every repetition: nothing run before them but the
-    /// accounting prompts of repetition 0, which are distinct); each RTT > 0 has a gateway of its own.
+    /// The first gateway runs everything without link delay, the long prompts first (so they meet
+    /// a fresh gateway in every repetition); each RTT > 0 and the drift case have a gateway of their own.
     pub fn gateways(&self, rep: u32, mode: Mode) -> Vec<Vec<Batch>> {
-        let batch = |kind, rtt_ms, temperature, prompts: &Vec<usize>| Batch { rep, mode, kind, rtt_ms, temperature, prompts: prompts.clone() };
+        let batch = |kind, rtt_ms, temperature, prompts: &Vec<usize>| {
+            let max_tokens = if matches!(kind, Kind::Timing | Kind::Drift) { self.long_max_tokens } else { self.max_tokens };
+            Batch { rep, mode, kind, rtt_ms, drift_to_ms: None, temperature, max_tokens, prompts: prompts.clone() }
+        };
         let mut first = Vec::new();
-        if rep == 0 {
-            // Also repetition 0 of the RTT-0 timing: the timing prompts are the first accounting ones.
+        if self.rtts_ms.contains(&0) {
+            first.push(batch(Kind::Timing, 0, 0.0, &self.long));
+        }
+        if rep == 0 && !self.accounting.is_empty() {
             first.push(batch(Kind::Accounting, 0, 0.0, &self.accounting));
-        } else if self.rtts_ms.contains(&0) {
-            first.push(batch(Kind::Timing, 0, 0.0, &self.timing));
         }
         if !self.sampled.is_empty() {
             first.push(batch(Kind::Sampled, 0, self.temperature, &self.sampled));
@@ -177,22 +271,27 @@ impl Plan {
         let mut out = vec![first];
         // The draft model alone has no link.
         if mode.uses_verifier() {
-            out.extend(self.rtts_ms.iter().filter(|&&rtt| rtt > 0).map(|&rtt| vec![batch(Kind::Timing, rtt, 0.0, &self.timing)]));
+            out.extend(self.rtts_ms.iter().filter(|&&rtt| rtt > 0).map(|&rtt| vec![batch(Kind::Timing, rtt, 0.0, &self.long)]));
+            if let Some(d) = self.drift {
+                out.push(vec![Batch { drift_to_ms: Some(d.to_ms), ..batch(Kind::Drift, d.from_ms, 0.0, &self.long) }]);
+            }
         }
+        out.retain(|g| !g.is_empty());
         out
     }
 
-    /// Seconds the whole plan should take on the machine this was written on (2 cores): a rough
-    /// model, for the ETA printed at the start and refined as batches finish.
+    /// Seconds the whole plan should take on the machine this was written on (2 cores, servers
+    /// pinned one core each): a rough model, for the ETA printed at the start and refined as
+    /// batches finish.
     pub fn estimate_seconds(&self) -> f64 {
         let (starts, by_kind) = self.estimate_parts();
         starts + by_kind.iter().map(|(_, s)| s).sum::<f64>()
     }
 
     /// The estimate split into starting servers and each kind of batch.
-    pub fn estimate_parts(&self) -> (f64, [(Kind, f64); 3]) {
+    pub fn estimate_parts(&self) -> (f64, [(Kind, f64); 4]) {
         let mut starts = VERIFIER_START_S;
-        let mut by_kind = [(Kind::Accounting, 0.0), (Kind::Timing, 0.0), (Kind::Sampled, 0.0)];
+        let mut by_kind = [(Kind::Accounting, 0.0), (Kind::Sampled, 0.0), (Kind::Timing, 0.0), (Kind::Drift, 0.0)];
         for rep in 0..self.reps {
             for &mode in &self.modes {
                 let gateways = self.gateways(rep, mode);
@@ -208,31 +307,45 @@ impl Plan {
     }
 
     pub fn estimate_batch(&self, b: &Batch) -> f64 {
-        b.prompts.iter().map(|&i| estimate_request(b.mode, self.max_tokens_of(i), b.rtt_ms as f64 / 1000.0)).sum()
+        // Drift: half the output at each RTT.
+        let rtt_s = (b.rtt_ms + b.drift_to_ms.unwrap_or(b.rtt_ms)) as f64 / 2000.0;
+        b.prompts.iter().map(|&i| estimate_request(b.mode, self.max_tokens_of(b, i), rtt_s)).sum()
     }
 }
 
-/// Measured on the 2-core development machine (Qwen2.5-Coder 0.5B drafting for 1.5B): loading the
-/// target, and loading the draft model into a fresh gateway.
-pub const VERIFIER_START_S: f64 = 10.0;
-pub const GATEWAY_START_S: f64 = 4.0;
+/// Measured on the 2-core development machine (Qwen2.5-Coder 0.5B drafting for 1.5B, one core
+/// each): loading the target, and starting (and stopping) a gateway with the draft model.
+pub const VERIFIER_START_S: f64 = 6.0;
+pub const GATEWAY_START_S: f64 = 4.5;
 
-/// Rough seconds for one request of `tokens` tokens, fitted to runs on the development machine:
-/// a fixed cost before the first token (prompt processing: the target's, and for speculative
-/// decoding the draft model's too, plus the first block), then per token (target-only) or per
-/// verify round (speculative: drafting grows with d), plus one RTT per verify call. Rounds assume a
-/// per-token acceptance of 0.75 (0.64–0.8 measured on this pair).
+/// Rough seconds for one request of `tokens` tokens, fitted to a `--quick` run on the development
+/// machine with the servers pinned to a core each (2026-12-01): about 3 s before the first token in
+/// every mode (both models process the prompt, in parallel), then per token (target-only: 68 ms a
+/// forward pass) or per verify round (speculative: a block of d drafts costs the verifier about
+/// 38 ms more per draft on one core, and the drafting not hidden under the verify call), plus one
+/// RTT per verify call. Rounds assume a per-token acceptance of 0.8 (0.6–0.9 measured on this
+/// pair); `auto` is costed as d=4.
 pub fn estimate_request(mode: Mode, tokens: u32, rtt_s: f64) -> f64 {
+    const FIRST_S: f64 = 3.0;
+    const VERIFY_S: f64 = 0.068;
+    const VERIFY_PER_DRAFT_S: f64 = 0.038;
+    const DRAFT_S: f64 = 0.05;
     let tokens = f64::from(tokens);
+    let speculative = |d: f64, ahead: bool| {
+        let alpha = 0.8_f64;
+        let per_round = (1.0 - alpha.powf(d + 1.0)) / (1.0 - alpha);
+        let verify = VERIFY_S + VERIFY_PER_DRAFT_S * d + rtt_s;
+        let draft = DRAFT_S * d;
+        // Drafting ahead hides most of the next block's drafting under this block's verify call.
+        let exposed = if ahead { (draft - 0.6 * verify).max(0.3 * draft) } else { draft };
+        FIRST_S + (tokens / per_round) * (verify + exposed)
+    };
     match mode {
-        Mode::TargetOnly => 1.8 + tokens * (0.05 + rtt_s),
-        Mode::DraftOnly => 1.5 + tokens * 0.08,
-        Mode::Speculative(d) => {
-            let (alpha, d) = (0.75_f64, f64::from(d));
-            let per_round = (1.0 - alpha.powf(d + 1.0)) / (1.0 - alpha);
-            let first = 3.0 + 0.4 * d + rtt_s;
-            first + (tokens - per_round).max(0.0) / per_round * (0.15 + 0.07 * d + rtt_s)
-        }
+        Mode::TargetOnly => FIRST_S + tokens * (VERIFY_S + rtt_s),
+        Mode::DraftOnly => 2.5 + tokens * DRAFT_S * 1.4,
+        Mode::Speculative(d) => speculative(f64::from(d), true),
+        Mode::NoAhead(d) => speculative(f64::from(d), false),
+        Mode::Auto => speculative(4.0, true),
     }
 }
 
@@ -250,54 +363,97 @@ mod tests {
     use super::*;
     use crate::prompts::Message;
 
-    fn prompt(id: &str, category: Category) -> Prompt {
-        Prompt { id: id.into(), category, messages: vec![Message { role: "user".into(), content: id.into() }], max_tokens: 64 }
+    fn prompt(id: &str, category: Category, max_tokens: u32) -> Prompt {
+        Prompt { id: id.into(), category, messages: vec![Message { role: "user".into(), content: id.into() }], max_tokens }
     }
 
     fn sizes() -> Sizes {
         Sizes {
             draft_lens: vec![4, 1, 4],
+            no_ahead_lens: vec![4],
+            auto: true,
+            draft_only: true,
+            auto_max_draft_len: 8,
             accounting_prompts: 6,
             sampled_prompts: 2,
-            timing_prompts: 2,
+            long_prompts: 1,
             max_tokens: 24,
+            long_max_tokens: 160,
             temperature: 0.8,
             reps: 3,
             rtts_ms: vec![50, 0],
+            drift: Some(Drift { from_ms: 20, to_ms: 150 }),
         }
     }
 
     fn prompts() -> Vec<Prompt> {
-        let mut p: Vec<Prompt> = (0..3).map(|i| prompt(&format!("code-{i}"), Category::Code)).collect();
-        p.extend((0..2).map(|i| prompt(&format!("qa-{i}"), Category::Qa)));
-        p.push(prompt("chat-0", Category::Chat));
+        let mut p: Vec<Prompt> = (0..3).map(|i| prompt(&format!("code-{i}"), Category::Code, 64)).collect();
+        p.push(prompt("long-0", Category::Code, 256));
+        p.extend((0..2).map(|i| prompt(&format!("qa-{i}"), Category::Qa, 64)));
+        p.push(prompt("chat-0", Category::Chat, 64));
+        p.push(prompt("long-1", Category::Chat, 200));
         p
     }
 
+    fn ids(plan: &Plan, list: &[usize]) -> Vec<String> {
+        list.iter().map(|&i| plan.prompts[i].id.clone()).collect()
+    }
+
     #[test]
-    fn categories_alternate() {
-        let order: Vec<String> = interleave_categories(&prompts()).into_iter().map(|i| prompts()[i].id.clone()).collect();
-        assert_eq!(order, ["code-0", "chat-0", "qa-0", "code-1", "qa-1", "code-2"]);
+    fn categories_alternate_and_long_prompts_are_apart() {
+        let plan = Plan::new(prompts(), &sizes()).unwrap();
+        assert_eq!(ids(&plan, &plan.accounting), ["code-0", "chat-0", "qa-0", "code-1", "qa-1", "code-2"]);
+        assert_eq!(ids(&plan, &plan.long), ["long-0"]);
+        assert_eq!(ids(&plan, &plan.sampled), ["code-0", "chat-0"]);
     }
 
     #[test]
     fn modes_and_rtts_are_sorted_and_deduplicated() {
         let plan = Plan::new(prompts(), &sizes()).unwrap();
-        assert_eq!(plan.modes, vec![Mode::TargetOnly, Mode::DraftOnly, Mode::Speculative(1), Mode::Speculative(4)]);
+        assert_eq!(plan.modes, vec![Mode::TargetOnly, Mode::DraftOnly, Mode::Speculative(1), Mode::Speculative(4), Mode::Auto, Mode::NoAhead(4)]);
         assert_eq!(plan.rtts_ms, vec![0, 50]);
-        assert_eq!(plan.max_tokens_of(0), 24);
+        let mut quick = sizes();
+        (quick.auto, quick.draft_only, quick.no_ahead_lens) = (false, false, vec![]);
+        assert_eq!(Plan::new(prompts(), &quick).unwrap().modes, vec![Mode::TargetOnly, Mode::Speculative(1), Mode::Speculative(4)]);
     }
 
     #[test]
-    fn no_gateway_runs_the_timing_prompts_twice() {
+    fn gateway_arguments_per_mode() {
+        let args = |m: Mode| m.gateway_args(6).join(" ");
+        assert_eq!(args(Mode::TargetOnly), "--draft-len 0");
+        assert_eq!(args(Mode::Speculative(4)), "--draft-len 4 --draft-ahead true");
+        assert_eq!(args(Mode::Speculative(12)), "--draft-len 12 --draft-ahead true --max-draft-len 12");
+        assert_eq!(args(Mode::NoAhead(4)), "--draft-len 4 --draft-ahead false");
+        assert_eq!(args(Mode::Auto), "--draft-len auto --draft-ahead true --max-draft-len 6");
+        assert!(args(Mode::DraftOnly).contains("--offline-fallback draft"));
+        assert!(Mode::Auto.speculates() && Mode::NoAhead(2).speculates() && !Mode::TargetOnly.speculates());
+        assert_eq!(Mode::NoAhead(4).slug(), "speculative-d4-no-ahead");
+    }
+
+    #[test]
+    fn every_link_gets_its_own_gateway() {
         let plan = Plan::new(prompts(), &sizes()).unwrap();
         let kinds = |rep, mode| plan.gateways(rep, mode).iter().map(|g| g.iter().map(|b| (b.kind, b.rtt_ms)).collect::<Vec<_>>()).collect::<Vec<_>>();
         let spec = Mode::Speculative(4);
-        assert_eq!(kinds(0, spec), vec![vec![(Kind::Accounting, 0), (Kind::Sampled, 0)], vec![(Kind::Timing, 50)]]);
-        assert_eq!(kinds(1, spec), vec![vec![(Kind::Timing, 0), (Kind::Sampled, 0)], vec![(Kind::Timing, 50)]]);
-        assert_eq!(kinds(1, Mode::DraftOnly), vec![vec![(Kind::Timing, 0), (Kind::Sampled, 0)]], "no link for the draft alone");
-        let timing = &plan.gateways(1, spec)[0][0];
-        assert_eq!(timing.prompts, plan.accounting[..2].to_vec());
+        let (acc, smp, tim, dri) = (Kind::Accounting, Kind::Sampled, Kind::Timing, Kind::Drift);
+        assert_eq!(kinds(0, spec), vec![vec![(tim, 0), (acc, 0), (smp, 0)], vec![(tim, 50)], vec![(dri, 20)]]);
+        assert_eq!(kinds(1, Mode::Auto), vec![vec![(tim, 0), (smp, 0)], vec![(tim, 50)], vec![(dri, 20)]]);
+        assert_eq!(kinds(1, Mode::DraftOnly), vec![vec![(tim, 0), (smp, 0)]], "no link for the draft alone");
+        let groups = plan.gateways(0, spec);
+        let (timing, accounting, drift) = (&groups[0][0], &groups[0][1], &groups[2][0]);
+        assert_eq!((timing.max_tokens, accounting.max_tokens), (160, 24));
+        assert_eq!((drift.rtt_ms, drift.drift_to_ms, drift.max_tokens), (20, Some(150), 160));
+        assert_eq!(plan.max_tokens_of(timing, timing.prompts[0]), 160);
+        assert_eq!(timing.prompts, plan.long);
+    }
+
+    #[test]
+    fn without_rtt_zero_or_drift_or_accounting_no_empty_gateway_starts() {
+        let mut s = sizes();
+        (s.rtts_ms, s.drift, s.accounting_prompts, s.sampled_prompts) = (vec![100], None, 0, 0);
+        let plan = Plan::new(prompts(), &s).unwrap();
+        assert_eq!(plan.gateways(0, Mode::Auto).len(), 1);
+        assert!(plan.gateways(0, Mode::DraftOnly).is_empty());
     }
 
     #[test]
@@ -309,16 +465,25 @@ mod tests {
         };
         assert!(with(|s| s.draft_lens = vec![0]).is_err());
         assert!(with(|s| s.draft_lens = vec![33]).is_err());
-        assert!(with(|s| s.timing_prompts = 7).is_err());
+        assert!(with(|s| s.no_ahead_lens = vec![0]).is_err());
+        assert!(with(|s| s.auto_max_draft_len = 0).is_err());
+        assert!(with(|s| s.long_prompts = 3).is_err());
+        assert!(with(|s| s.long_prompts = 0).is_err());
+        assert!(with(|s| s.accounting_prompts = 7).is_err());
         assert!(with(|s| s.reps = 0).is_err());
         assert!(with(|s| s.rtts_ms.clear()).is_err());
+        assert!(with(|s| s.long_max_tokens = 0).is_err());
     }
 
     #[test]
-    fn estimates_grow_with_rtt_and_length() {
+    fn estimates_grow_with_rtt_and_length_and_shrink_with_draft_ahead() {
         assert!(estimate_request(Mode::TargetOnly, 24, 0.1) > estimate_request(Mode::TargetOnly, 24, 0.0) + 2.0);
-        assert!(estimate_request(Mode::Speculative(4), 24, 0.0) > estimate_request(Mode::Speculative(4), 12, 0.0));
+        assert!(estimate_request(Mode::Speculative(4), 160, 0.0) > estimate_request(Mode::Speculative(4), 24, 0.0));
+        assert!(estimate_request(Mode::NoAhead(4), 160, 0.05) > estimate_request(Mode::Speculative(4), 160, 0.05));
         let plan = Plan::new(prompts(), &sizes()).unwrap();
+        let drift = &plan.gateways(0, Mode::Auto)[2][0];
+        let (at20, at150) = (estimate_request(Mode::Auto, 160, 0.02), estimate_request(Mode::Auto, 160, 0.15));
+        assert!(plan.estimate_batch(drift) > at20 && plan.estimate_batch(drift) < at150);
         assert!(plan.estimate_seconds() > VERIFIER_START_S);
     }
 }

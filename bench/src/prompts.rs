@@ -88,9 +88,11 @@ mod tests {
         let prompts = load_prompts(concat!(env!("CARGO_MANIFEST_DIR"), "/prompts.jsonl")).unwrap();
         assert!(prompts.len() >= 36, "{} prompts", prompts.len());
         for category in Category::ALL {
-            let n = prompts.iter().filter(|p| p.category == category).count();
-            assert!(n >= 9, "{category:?}: {n} prompts");
+            let n = prompts.iter().filter(|p| p.category == category && p.max_tokens < crate::plan::LONG_MIN_TOKENS).count();
+            assert!(n >= 9, "{category:?}: {n} short prompts");
         }
+        let long = prompts.iter().filter(|p| p.max_tokens >= crate::plan::LONG_MIN_TOKENS).count();
+        assert!(long >= 2, "{long} long prompts");
         let ids: HashSet<&str> = prompts.iter().map(|p| p.id.as_str()).collect();
         assert_eq!(ids.len(), prompts.len(), "ids repeat");
         for p in &prompts {

@@ -7,9 +7,18 @@
 //! proxy's link is set per batch. Requests run one at a time: on 2 cores concurrent requests were
 //! slower in total, and timing must not mix requests.
 //!
+//! With [`Pinning`], the verifier runs on one core with one compute thread and every gateway on
+//! another with one (`taskset -c`; `--threads 1`; `RAYON_NUM_THREADS=1`): two machines emulated on one.
+//!
+//! The drift case changes the link halfway through a batch's output: the RTT is the batch's own
+//! until the client has received half the characters the batch's prompts produced before (greedy
+//! output is the same in every mode, so the change lands at the same place of the text in every
+//! mode, inside a request), then `drift_to_ms`.
+//!
 //! The server binaries are hard-linked (or copied) into the results folder first: other builds into
 //! the same target folder during a long run must not change what is measured halfway.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -18,11 +27,12 @@ use anyhow::Context;
 use crate::client::{stream_chat, ChatRequest};
 use crate::link::LinkConfig;
 use crate::machine::cpu_seconds;
+use crate::pinning::{cpus_of, Pinning};
 use crate::plan::{Batch, Kind, Mode, Plan, GATEWAY_START_S, VERIFIER_START_S};
 use crate::prom::{Scrape, VerifierCounters};
 use crate::proxy::{spawn_proxy, ProxyHandle};
 use crate::stack::{free_port, Ready, Server};
-use crate::summary::{BatchResult, Record};
+use crate::summary::{BatchResult, DriftSwitch, Record};
 
 /// Where the servers and models are, and the link's extras.
 #[derive(Debug, Clone)]
@@ -30,7 +40,9 @@ pub struct Setup {
     pub bin_dir: PathBuf,
     pub draft_model: String,
     pub target_model: String,
+    /// Compute threads of the verifier (default: 1 when pinned, else all cores).
     pub verifier_threads: Option<usize>,
+    pub pinning: Option<Pinning>,
     pub out_dir: PathBuf,
     pub jitter: Duration,
     pub loss: f64,
@@ -51,6 +63,10 @@ pub struct Runner<'a> {
     verifier: Server,
     proxy: ProxyHandle,
     pub results: Vec<BatchResult>,
+    /// Where the servers ran and with how many threads, as `/proc` shows it (for the report).
+    pub placement: Vec<String>,
+    /// Characters of each greedy output seen so far, by (prompt id, max tokens): where drift switches.
+    reference_chars: HashMap<(String, u32), usize>,
     started: Instant,
     estimated_done: f64,
     estimated_total: f64,
@@ -66,13 +82,23 @@ impl<'a> Runner<'a> {
         // memory modest on a shared machine; no session is reused across requests anyway.
         let mut args: Vec<String> =
             ["--model", &setup.target_model, "--port", &port.to_string(), "--api-key", VERIFIER_KEY, "--cache-budget-mb", "512"].map(String::from).to_vec();
-        if let Some(t) = setup.verifier_threads {
-            args.extend(["--threads".into(), t.to_string()]);
+        let threads = setup.verifier_threads.or(setup.pinning.as_ref().map(|_| 1));
+        let threads_env = threads.map(|t| t.to_string());
+        let mut env = Vec::new();
+        if let Some(t) = &threads_env {
+            args.extend(["--threads".into(), t.clone()]);
+            env.push(("RAYON_NUM_THREADS", t.as_str()));
         }
         let bin_dir = freeze_binaries(&setup.bin_dir, &setup.out_dir)?;
-        let mut verifier = Server::spawn("spade-verifier", &bin_dir.join("spade-verifier"), &args, &[], port, setup.out_dir.join("verifier.log"))?;
+        let (program, args) = pinned(setup.pinning.as_ref().map(|p| p.verifier_cpu), setup, bin_dir.join("spade-verifier"), args);
+        let mut verifier = Server::spawn("spade-verifier", &program, &args, &env, port, setup.out_dir.join("verifier.log"))?;
         let took = verifier.wait_ready(&client, Ready::Healthy).await?;
-        println!("verifier ready in {:.1} s (pid {})", took.as_secs_f64(), verifier.pid());
+        let cpus = cpus_of(verifier.pid()).unwrap_or_else(|| "?".into());
+        println!("verifier ready in {:.1} s (pid {}, CPUs {cpus})", took.as_secs_f64(), verifier.pid());
+        let placement = vec![format!(
+            "verifier: CPUs {cpus} (`Cpus_allowed_list`), {}",
+            threads.map_or("all cores' threads (no --threads)".to_string(), |t| format!("--threads {t}"))
+        )];
         let link = LinkConfig { seed: Some(setup.seed), ..LinkConfig::default() };
         let proxy = spawn_proxy(format!("127.0.0.1:{port}"), link).await?;
         Ok(Self {
@@ -83,6 +109,8 @@ impl<'a> Runner<'a> {
             verifier,
             proxy,
             results: Vec::new(),
+            placement,
+            reference_chars: HashMap::new(),
             started,
             estimated_done: VERIFIER_START_S,
             estimated_total: plan.estimate_seconds(),
@@ -95,6 +123,11 @@ impl<'a> Runner<'a> {
             for &mode in &self.plan.modes.clone() {
                 for (n, batches) in self.plan.gateways(rep, mode).into_iter().enumerate() {
                     let mut gateway = self.start_gateway(mode, rep, n).await?;
+                    if self.placement.len() == 1 {
+                        let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
+                        let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
+                        self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
+                    }
                     self.estimated_done += GATEWAY_START_S;
                     for batch in batches {
                         let result = self
@@ -117,52 +150,87 @@ impl<'a> Runner<'a> {
         // Draft-only: a verifier address where nothing listens, so every request is answered by the
         // draft model alone at once (no retries to wait out).
         let verifier_url = if mode.uses_verifier() { format!("http://{}", self.proxy.addr()) } else { format!("http://127.0.0.1:{}", free_port()?) };
-        let mut args = vec![
-            "--draft-model".into(),
-            self.setup.draft_model.clone(),
-            "--verifier-url".into(),
-            verifier_url,
-            "--port".into(),
-            port.to_string(),
-            "--draft-len".into(),
-            mode.gateway_draft_len().to_string(),
-        ];
-        if !mode.uses_verifier() {
-            args.extend(["--offline-fallback".into(), "draft".into(), "--verify-retries".into(), "0".into()]);
+        let mut args = vec!["--draft-model".into(), self.setup.draft_model.clone(), "--verifier-url".into(), verifier_url, "--port".into(), port.to_string()];
+        args.extend(mode.gateway_args(self.plan.auto_max_draft_len));
+        let log = self.setup.out_dir.join(format!("gateway-{}-rep{rep}-{n}.log", mode.slug()));
+        let mut env = vec![("SPADE_VERIFIER_API_KEY", VERIFIER_KEY)];
+        if self.setup.pinning.is_some() {
+            env.push(("RAYON_NUM_THREADS", "1"));
         }
-        let log = self.setup.out_dir.join(format!("gateway-{}-rep{rep}-{n}.log", mode.to_string().replace(' ', "-").replace('=', "")));
-        let mut gateway = Server::spawn("spade-gateway", &self.bin_dir.join("spade-gateway"), &args, &[("SPADE_VERIFIER_API_KEY", VERIFIER_KEY)], port, log)?;
+        let (program, args) = pinned(self.setup.pinning.as_ref().map(|p| p.gateway_cpu), self.setup, self.bin_dir.join("spade-gateway"), args);
+        let mut gateway = Server::spawn("spade-gateway", &program, &args, &env, port, log)?;
         let ready = if mode.uses_verifier() { Ready::Healthy } else { Ready::DraftLoaded };
         gateway.wait_ready(&self.client, ready).await?;
         Ok(gateway)
     }
 
     async fn run_batch(&mut self, gateway: &Server, batch: &Batch) -> anyhow::Result<BatchResult> {
-        let ms = Duration::from_millis(batch.rtt_ms);
-        self.proxy.set_link(LinkConfig { rtt: ms, jitter: self.setup.jitter, loss: self.setup.loss, seed: Some(self.setup.seed) })?;
+        let setup = self.setup;
+        let link = |rtt_ms: u64| LinkConfig { rtt: Duration::from_millis(rtt_ms), jitter: setup.jitter, loss: setup.loss, seed: Some(setup.seed) };
+        self.proxy.set_link(link(batch.rtt_ms))?;
+        let plan = self.plan;
+        // Drift: the link changes once the client has received half the batch's characters (from the
+        // greedy outputs seen before; about 4 characters a token where there is none).
+        let threshold = batch.drift_to_ms.map(|_| {
+            let chars = |&i: &usize| {
+                let max = plan.max_tokens_of(batch, i);
+                self.reference_chars.get(&(plan.prompts[i].id.clone(), max)).copied().unwrap_or(4 * max as usize)
+            };
+            (batch.prompts.iter().map(chars).sum::<usize>() / 2).max(1)
+        });
+        let (mut received, mut switch) = (0usize, None::<DriftSwitch>);
         let started = Instant::now();
         let (verifier_before, vcpu_before, gcpu_before) = (self.counters().await?, cpu_seconds(self.verifier.pid())?, cpu_seconds(gateway.pid())?);
         let mut records = Vec::with_capacity(batch.prompts.len());
-        for &i in &batch.prompts {
-            let prompt = &self.plan.prompts[i];
+        for (k, &i) in batch.prompts.iter().enumerate() {
+            let prompt = &plan.prompts[i];
             // Seeds differ per prompt and repetition, so sampled repetitions are new samples.
-            let seed = self.setup.seed + 1000 * u64::from(batch.rep) + i as u64;
-            let request = ChatRequest { messages: &prompt.messages, max_tokens: self.plan.max_tokens_of(i), temperature: batch.temperature, seed };
+            let seed = setup.seed + 1000 * u64::from(batch.rep) + i as u64;
+            let max_tokens = plan.max_tokens_of(batch, i);
+            let request = ChatRequest { messages: &prompt.messages, max_tokens, temperature: batch.temperature, seed };
             let mut attempt = 0;
+            let received_before = received;
             let outcome = loop {
                 attempt += 1;
-                match stream_chat(&self.client, &gateway.url, &request).await {
+                let proxy = &self.proxy;
+                let mut on_text = |text: &str, at_s: f64| {
+                    if let (Some(threshold), Some(to), None) = (threshold, batch.drift_to_ms, &switch) {
+                        received += text.len();
+                        if received >= threshold {
+                            // The link is valid (the batch's own, another RTT): this cannot fail.
+                            let _ = proxy.set_link(link(to));
+                            switch = Some(DriftSwitch { request: k, at_s, share_of_request: None });
+                        }
+                    }
+                };
+                match stream_chat(&self.client, &gateway.url, &request, &mut on_text).await {
                     Ok(o) => break o,
-                    Err(e) if attempt < ATTEMPTS => eprintln!("  {}: {e:#}; retrying", prompt.id),
+                    Err(e) if attempt < ATTEMPTS => {
+                        eprintln!("  {}: {e:#}; retrying", prompt.id);
+                        // A retried request starts again at the link it started at.
+                        if switch.as_ref().is_some_and(|s| s.request == k) {
+                            self.proxy.set_link(link(batch.rtt_ms))?;
+                            switch = None;
+                        }
+                        received = received_before;
+                    }
                     Err(e) => return Err(e.context(format!("prompt {}", prompt.id))),
                 }
             };
+            if let Some(s) = switch.as_mut().filter(|s| s.request == k) {
+                s.share_of_request = Some(s.at_s / outcome.total_s.max(1e-9));
+            }
+            if batch.temperature == 0.0 {
+                self.reference_chars.entry((prompt.id.clone(), max_tokens)).or_insert(outcome.text.len());
+            }
             records.push(Record {
                 rep: batch.rep,
                 mode: batch.mode,
                 kind: batch.kind,
                 rtt_ms: batch.rtt_ms,
+                drift_to_ms: batch.drift_to_ms,
                 temperature: batch.temperature,
+                max_tokens,
                 prompt_id: prompt.id.clone(),
                 category: prompt.category,
                 outcome,
@@ -176,6 +244,7 @@ impl<'a> Runner<'a> {
             verifier_cpu_s: cpu_seconds(self.verifier.pid())? - vcpu_before,
             gateway_cpu_s: cpu_seconds(gateway.pid())? - gcpu_before,
             wall_s: started.elapsed().as_secs_f64(),
+            drift_switch: switch,
         })
     }
 
@@ -196,9 +265,10 @@ impl<'a> Runner<'a> {
             Kind::Accounting => "accounting".to_string(),
             Kind::Sampled => format!("T={}", r.batch.temperature),
             Kind::Timing => format!("RTT {} ms", r.batch.rtt_ms),
+            Kind::Drift => format!("RTT {}->{} ms", r.batch.rtt_ms, r.batch.drift_to_ms.unwrap_or(r.batch.rtt_ms)),
         };
         println!(
-            "[{:>5.1} min, ~{:.1} min left] rep {} {:<18} {:<12} {:>3} req {:>5} tok {:>5} calls {:>6.2} tok/s",
+            "[{:>5.1} min, ~{:.1} min left] rep {} {:<27} {:<15} {:>3} req {:>5} tok {:>5} calls {:>6.2} tok/s",
             elapsed / 60.0,
             left / 60.0,
             r.batch.rep,
@@ -209,6 +279,14 @@ impl<'a> Runner<'a> {
             calls,
             tokens as f64 / r.records.iter().map(|x| x.outcome.total_s).sum::<f64>().max(1e-9)
         );
+    }
+}
+
+/// `program args` as started: under `taskset -c CPU` when the run pins and `cpu` is given.
+fn pinned(cpu: Option<usize>, setup: &Setup, program: PathBuf, args: Vec<String>) -> (PathBuf, Vec<String>) {
+    match (&setup.pinning, cpu) {
+        (Some(p), Some(cpu)) => p.wrap(cpu, &program, &args),
+        _ => (program, args),
     }
 }
 

@@ -4,12 +4,10 @@
 //! Exits 1 when a greedy speculative output differs from target-only's (the system must be
 //! lossless), 2 when the run itself failed (what was measured is still written).
 //!
-//! The default sizes fit the whole run in under 30 minutes on the 2-core development machine: see
-//! `Args` for why each is what it is, and `--dry-run` for the plan and its estimate. What sizes a run
-//! is the number of requests, not their length: on 2 cores a speculative request spends most of its
-//! 6–10 s before the first token (both models process the prompt), a target-only one about 3 s.
+//! Two machines are emulated on one: the verifier pinned to one core and the gateways to another,
+//! one compute thread each (see `spade_bench::pinning`), talking through an in-process delay proxy.
+//! `--dry-run` prints the plan and its time estimate; `--quick` is a run of under 10 minutes.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -18,7 +16,8 @@ use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
 use spade_bench::machine::{utc_stamp, Machine};
-use spade_bench::plan::{Plan, Sizes};
+use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
+use spade_bench::plan::{Drift, Plan, Sizes};
 use spade_bench::report::{self, Context as ReportContext};
 use spade_bench::runner::{Runner, Setup};
 use spade_bench::summary::{summarise, BatchResult, Summary};
@@ -29,45 +28,79 @@ use spade_bench::{load_prompts, PROMPTS_PATH};
     name = "spade-bench",
     version,
     about = "End-to-end SPADE benchmark: cloud calls saved, losslessness, speed, and the network's effect",
-    after_help = "Default paths are relative to the working directory: run it from the repository root (scripts/bench.sh does)."
+    after_help = "Default paths are relative to the working directory: run it from the repository root (scripts/bench.sh does). \
+                  Sizes marked [quick: …] take that value under --quick unless given."
 )]
 struct Args {
-    /// Speculative draft lengths: short, the gateway's default, long. Each one costs about 5
-    /// minutes of the default run on 2 cores (mostly its 30 accounting requests), so 1,2,4,6,8
-    /// takes ~35 minutes.
-    #[arg(long, env = "SPADE_BENCH_DRAFT_LENS", value_delimiter = ',', default_value = "1,4,8")]
-    draft_lens: Vec<u32>,
+    /// A run that finishes in under 10 minutes on 2 cores: 1 repetition, RTTs 0,50,100, d=1,4 and auto
+    /// (no draft-only, no no-ahead mode), 3 accounting prompts, no sampled ones, the long prompt at 128
+    /// tokens, and the drift case. Options given explicitly still win.
+    #[arg(long, env = "SPADE_BENCH_QUICK")]
+    quick: bool,
 
-    /// Prompts for the accounting figures and the greedy losslessness check (greedy, run once:
+    /// Fixed draft lengths, drafting ahead (the gateway's default). [default: 1,4,8; quick: 1,4]
+    #[arg(long, env = "SPADE_BENCH_DRAFT_LENS", value_parser = parse_list)]
+    draft_lens: Option<List>,
+
+    /// Fixed draft lengths run again with --draft-ahead false, to show what drafting ahead buys;
+    /// `none` for none. [default: 4; quick: none]
+    #[arg(long, env = "SPADE_BENCH_NO_AHEAD_LENS", value_parser = parse_list)]
+    no_ahead_lens: Option<List>,
+
+    /// Run `--draft-len auto` (draft-ahead on).
+    #[arg(long, env = "SPADE_BENCH_AUTO", action = clap::ArgAction::Set, default_value_t = true)]
+    auto: bool,
+
+    /// auto's cap (the gateway's --max-draft-len).
+    #[arg(long, env = "SPADE_BENCH_AUTO_MAX_DRAFT_LEN", default_value_t = 8)]
+    auto_max_draft_len: u32,
+
+    /// Run the draft model alone (no verifier). [default: true; quick: false]
+    #[arg(long, env = "SPADE_BENCH_DRAFT_ONLY", action = clap::ArgAction::Set)]
+    draft_only: Option<bool>,
+
+    /// Short prompts for the accounting figures and the greedy losslessness check (greedy, run once:
     /// greedy outputs are deterministic, so repetitions would repeat them). 30 covers the four
-    /// categories 8/8/7/7.
-    #[arg(long, env = "SPADE_BENCH_PROMPTS", default_value_t = 30)]
-    prompts: usize,
+    /// categories 8/8/7/7; 0 skips accounting. [default: 30; quick: 3]
+    #[arg(long, env = "SPADE_BENCH_PROMPTS")]
+    prompts: Option<usize>,
 
-    /// Most tokens per request (each prompt's own max_tokens caps it too). 24 spans several verify
-    /// rounds at every draft length; going to 16 would save only ~10% of the run (see above).
+    /// Most tokens per short request (each prompt's own max_tokens caps it too): enough for several
+    /// verify rounds at every draft length.
     #[arg(long, env = "SPADE_BENCH_MAX_TOKENS", default_value_t = 24)]
     max_tokens: u32,
 
-    /// Prompts run at the sampled temperature in every repetition (seeded; a new seed per
-    /// repetition, so 2 x 3 = 6 samples per mode: enough for the timing medians, a rough
-    /// acceptance figure).
-    #[arg(long, env = "SPADE_BENCH_SAMPLED_PROMPTS", default_value_t = 2)]
-    sampled_prompts: usize,
+    /// Short prompts run at the sampled temperature in every repetition (seeded; a new seed per
+    /// repetition). [default: 2; quick: 0]
+    #[arg(long, env = "SPADE_BENCH_SAMPLED_PROMPTS")]
+    sampled_prompts: Option<usize>,
 
-    /// Prompts timed at every RTT in every repetition (the first accounting prompts, code first:
-    /// the pair is a coding model). One prompt x 3 reps x 4 RTTs x 5 modes is ~6 minutes; each
-    /// more doubles it.
-    #[arg(long, env = "SPADE_BENCH_TIMING_PROMPTS", default_value_t = 1)]
-    timing_prompts: usize,
+    /// Long prompts (max_tokens >= 128 in the prompt file) timed at every RTT and in the drift case,
+    /// every repetition. Each one roughly doubles the speed part of the run.
+    #[arg(long, alias = "timing-prompts", env = "SPADE_BENCH_LONG_PROMPTS", default_value_t = 1)]
+    long_prompts: usize,
 
-    /// Repetitions; timing figures are their median.
-    #[arg(long, env = "SPADE_BENCH_REPS", default_value_t = 3)]
-    reps: u32,
+    /// Most tokens per long request: enough that decoding, not the first token, dominates. [default: 160; quick: 128]
+    #[arg(long, env = "SPADE_BENCH_LONG_MAX_TOKENS")]
+    long_max_tokens: Option<u32>,
 
-    /// Emulated round-trip times between gateway and verifier, milliseconds.
-    #[arg(long, env = "SPADE_BENCH_RTTS_MS", value_delimiter = ',', default_value = "0,20,50,100")]
-    rtts_ms: Vec<u64>,
+    /// Repetitions; timing figures are their median. [default: 3; quick: 1]
+    #[arg(long, env = "SPADE_BENCH_REPS")]
+    reps: Option<u32>,
+
+    /// Emulated round-trip times between gateway and verifier, milliseconds. [default: 0,20,50,100,200; quick: 0,50,100]
+    #[arg(long, env = "SPADE_BENCH_RTTS_MS", value_delimiter = ',')]
+    rtts_ms: Option<Vec<u64>>,
+
+    /// The drift case, FROM,TO milliseconds: the RTT is FROM until half the batch's output has
+    /// arrived, then TO; `none` to skip it.
+    #[arg(long, env = "SPADE_BENCH_DRIFT_MS", default_value = "20,150", value_parser = parse_drift)]
+    drift_ms: DriftArg,
+
+    /// Do not pin the servers (by default the verifier runs on one CPU with --threads 1 and every
+    /// gateway on another with RAYON_NUM_THREADS=1, through `taskset -c`).
+    #[arg(long, env = "SPADE_BENCH_NO_PIN")]
+    no_pin: bool,
 
     /// Extra one-way delay per chunk, uniform in [0, N] ms (0 = none).
     #[arg(long, env = "SPADE_BENCH_JITTER_MS", default_value_t = 0)]
@@ -95,7 +128,7 @@ struct Args {
     #[arg(long, env = "SPADE_BENCH_PROMPTS_FILE", default_value = PROMPTS_PATH)]
     prompts_file: PathBuf,
 
-    /// Compute threads of the verifier (default: all cores).
+    /// Compute threads of the verifier (default: 1 when pinned, else all cores).
     #[arg(long, env = "SPADE_BENCH_VERIFIER_THREADS")]
     verifier_threads: Option<usize>,
 
@@ -116,17 +149,50 @@ struct Args {
     reported_command: Option<String>,
 }
 
+/// A list of draft lengths (`none` or empty: no lengths).
+#[derive(Debug, Clone)]
+struct List(Vec<u32>);
+
+fn parse_list(s: &str) -> Result<List, String> {
+    let s = s.trim();
+    if s.is_empty() || s == "none" {
+        return Ok(List(Vec::new()));
+    }
+    s.split(',').map(|x| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}"))).collect::<Result<_, _>>().map(List)
+}
+
+#[derive(Debug, Clone)]
+struct DriftArg(Option<Drift>);
+
+fn parse_drift(s: &str) -> Result<DriftArg, String> {
+    if s.trim() == "none" {
+        return Ok(DriftArg(None));
+    }
+    match parse_list(s)?.0[..] {
+        [from, to] => Ok(DriftArg(Some(Drift { from_ms: from.into(), to_ms: to.into() }))),
+        _ => Err("expected FROM,TO milliseconds (e.g. 20,150) or none".into()),
+    }
+}
+
 impl Args {
     fn sizes(&self) -> Sizes {
+        let q = self.quick;
+        let pick = |quick: Vec<u32>, full: Vec<u32>| if q { quick } else { full };
         Sizes {
-            draft_lens: self.draft_lens.clone(),
-            accounting_prompts: self.prompts,
-            sampled_prompts: self.sampled_prompts,
-            timing_prompts: self.timing_prompts,
+            draft_lens: self.draft_lens.clone().map_or_else(|| pick(vec![1, 4], vec![1, 4, 8]), |l| l.0),
+            no_ahead_lens: self.no_ahead_lens.clone().map_or_else(|| pick(vec![], vec![4]), |l| l.0),
+            auto: self.auto,
+            draft_only: self.draft_only.unwrap_or(!q),
+            auto_max_draft_len: self.auto_max_draft_len,
+            accounting_prompts: self.prompts.unwrap_or(if q { 3 } else { 30 }),
+            sampled_prompts: self.sampled_prompts.unwrap_or(if q { 0 } else { 2 }),
+            long_prompts: self.long_prompts,
             max_tokens: self.max_tokens,
+            long_max_tokens: self.long_max_tokens.unwrap_or(if q { 128 } else { 160 }),
             temperature: self.temperature,
-            reps: self.reps,
-            rtts_ms: self.rtts_ms.clone(),
+            reps: self.reps.unwrap_or(if q { 1 } else { 3 }),
+            rtts_ms: self.rtts_ms.clone().unwrap_or_else(|| if q { vec![0, 50, 100] } else { vec![0, 20, 50, 100, 200] }),
+            drift: self.drift_ms.0,
         }
     }
 
@@ -164,17 +230,24 @@ fn git_state() -> String {
     }
 }
 
-fn print_plan(plan: &Plan) {
+fn print_plan(plan: &Plan, setup: &[String]) {
     let ids = |list: &[usize]| list.iter().map(|&i| plan.prompts[i].id.as_str()).collect::<Vec<_>>().join(" ");
     println!("spade-bench plan");
     println!("  modes: {}", plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "));
-    println!("  accounting (greedy, RTT 0, once): {} prompts, <= {} tokens each", plan.accounting.len(), plan.max_tokens);
+    println!("  accounting (greedy, RTT 0, once): {} short prompts, <= {} tokens each", plan.accounting.len(), plan.max_tokens);
     println!("  sampled (T={}, RTT 0, every rep): {}", plan.temperature, ids(&plan.sampled));
-    println!("  timing (greedy, RTTs {:?} ms, every rep): {}", plan.rtts_ms, ids(&plan.timing));
+    println!("  timing (greedy, RTTs {:?} ms, every rep): {}, <= {} tokens each", plan.rtts_ms, ids(&plan.long), plan.long_max_tokens);
+    match plan.drift {
+        Some(d) => println!("  drift (greedy, RTT {} ms, then {} ms from half the output on, every rep): {}", d.from_ms, d.to_ms, ids(&plan.long)),
+        None => println!("  drift: none"),
+    }
     println!("  repetitions: {}", plan.reps);
+    for line in setup {
+        println!("  setup: {line}");
+    }
     let eta = plan.estimate_seconds();
     let (starts, parts) = plan.estimate_parts();
-    let parts: Vec<String> = parts.iter().map(|(k, s)| format!("{k:?} {:.1}", s / 60.0)).collect();
+    let parts: Vec<String> = parts.iter().filter(|(_, s)| *s > 0.0).map(|(k, s)| format!("{k:?} {:.1}", s / 60.0)).collect();
     println!("  estimate by part, minutes: server starts {:.1}, {}", starts / 60.0, parts.join(", "));
     println!("  estimated time: {:.0} min on an idle 2-core machine (ETA {} UTC; slower when the machine is shared)", eta / 60.0, eta_clock(eta));
 }
@@ -190,14 +263,18 @@ fn write_results(out: &Path, ctx: &ReportContext, summary: &Summary, results: &[
         "stamp": ctx.stamp,
         "command": ctx.command,
         "machine": ctx.machine,
+        "setup": ctx.setup,
         "source": ctx.git,
         "models": {"draft": ctx.draft_model, "target": ctx.target_model},
         "plan": {
             "modes": ctx.plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>(),
             "accounting_prompts": ctx.plan.accounting.iter().map(|&i| &ctx.plan.prompts[i].id).collect::<Vec<_>>(),
             "sampled_prompts": ctx.plan.sampled.iter().map(|&i| &ctx.plan.prompts[i].id).collect::<Vec<_>>(),
-            "timing_prompts": ctx.plan.timing.iter().map(|&i| &ctx.plan.prompts[i].id).collect::<Vec<_>>(),
+            "long_prompts": ctx.plan.long.iter().map(|&i| &ctx.plan.prompts[i].id).collect::<Vec<_>>(),
             "max_tokens": ctx.plan.max_tokens,
+            "long_max_tokens": ctx.plan.long_max_tokens,
+            "drift": ctx.plan.drift,
+            "auto_max_draft_len": ctx.plan.auto_max_draft_len,
             "temperature": ctx.plan.temperature,
             "reps": ctx.plan.reps,
             "rtts_ms": ctx.plan.rtts_ms,
@@ -232,7 +309,25 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let prompts = load_prompts(&args.prompts_file)?;
     let plan = Plan::new(prompts, &args.sizes()).map_err(anyhow::Error::msg)?;
     anyhow::ensure!((0.0..=1.0).contains(&args.loss), "--loss must be in [0, 1]");
-    print_plan(&plan);
+    let (pinning, why_not) = Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
+    let mut setup_lines = Vec::new();
+    if let Some(why) = &why_not {
+        if !args.no_pin {
+            eprintln!("spade-bench: warning: {why}");
+        }
+        setup_lines.push(format!("**{why}**"));
+    }
+    if let Some(p) = &pinning {
+        setup_lines.push(format!(
+            "two machines on one: verifier on CPU {} ({}), gateways on CPU {} (RAYON_NUM_THREADS=1), via `{} -c`; \
+             spade-bench itself (client, delay proxy) unpinned",
+            p.verifier_cpu,
+            args.verifier_threads.map_or("--threads 1".into(), |t| format!("--threads {t}")),
+            p.gateway_cpu,
+            p.taskset.display()
+        ));
+    }
+    print_plan(&plan, &setup_lines);
     if args.dry_run {
         return Ok(ExitCode::SUCCESS);
     }
@@ -251,6 +346,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         draft_model: args.draft_model.clone(),
         target_model: args.target_model.clone(),
         verifier_threads: args.verifier_threads,
+        pinning,
         out_dir: out.clone(),
         jitter: Duration::from_millis(args.jitter_ms),
         loss: args.loss,
@@ -266,12 +362,12 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let error = outcome.err().map(|e| format!("{e:#}"));
     let results = std::mem::take(&mut runner.results);
+    setup_lines.extend(runner.placement.iter().map(|p| format!("as run: {p}")));
     drop(runner); // stops the verifier and the proxy
                   // The run's links to the server binaries were only needed while it ran.
     let _ = std::fs::remove_dir_all(out.join("bin"));
 
-    let timing_ids: HashSet<String> = plan.timing.iter().map(|&i| plan.prompts[i].id.clone()).collect();
-    let summary = summarise(&results, &plan.modes, &plan.rtts_ms, &timing_ids);
+    let summary = summarise(&results, &plan.modes, &plan.rtts_ms, plan.drift);
     let (machine, command, git) = (Machine::describe(), args.command(), git_state());
     let ctx = ReportContext {
         stamp: &stamp,
@@ -282,6 +378,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         target_model: file_name(&args.target_model),
         wall_s: started.elapsed().as_secs_f64(),
         plan: &plan,
+        setup: &setup_lines,
     };
     write_results(&out, &ctx, &summary, &results, error.as_deref())?;
     println!("\n{}", std::fs::read_to_string(out.join("results.md"))?);
@@ -295,4 +392,35 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::from(1));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sizes(args: &[&str]) -> Sizes {
+        Args::try_parse_from(["spade-bench"].iter().chain(args)).unwrap().sizes()
+    }
+
+    #[test]
+    fn quick_shrinks_what_is_not_given() {
+        let full = sizes(&[]);
+        assert_eq!((full.draft_lens, full.no_ahead_lens, full.reps, full.rtts_ms), (vec![1, 4, 8], vec![4], 3, vec![0, 20, 50, 100, 200]));
+        assert_eq!((full.accounting_prompts, full.sampled_prompts, full.long_max_tokens, full.draft_only), (30, 2, 160, true));
+        assert_eq!(full.drift, Some(Drift { from_ms: 20, to_ms: 150 }));
+        let quick = sizes(&["--quick"]);
+        assert_eq!((quick.draft_lens, quick.no_ahead_lens, quick.reps, quick.rtts_ms), (vec![1, 4], vec![], 1, vec![0, 50, 100]));
+        assert_eq!((quick.accounting_prompts, quick.sampled_prompts, quick.long_max_tokens, quick.draft_only, quick.auto), (3, 0, 128, false, true));
+        let given = sizes(&["--quick", "--reps", "2", "--no-ahead-lens", "2,4", "--draft-only", "true", "--drift-ms", "none", "--auto", "false"]);
+        assert_eq!((given.reps, given.no_ahead_lens, given.draft_only, given.drift, given.auto), (2, vec![2, 4], true, None, false));
+    }
+
+    #[test]
+    fn lists_and_drift_parse_or_are_refused() {
+        assert_eq!(parse_list("1, 4,8").unwrap().0, vec![1, 4, 8]);
+        assert!(parse_list("none").unwrap().0.is_empty());
+        assert!(parse_list("1,x").is_err());
+        assert_eq!(parse_drift("30,200").unwrap().0, Some(Drift { from_ms: 30, to_ms: 200 }));
+        assert!(parse_drift("30").is_err());
+    }
 }
