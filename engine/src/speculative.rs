@@ -178,11 +178,9 @@ pub async fn run(
             _ => 0,
         };
         let round_started = Instant::now();
+        let from_ahead = ahead.is_some();
         let block = match (drafter, ahead.take()) {
-            (Some(_), Some(pre)) => {
-                state.stats.ahead_used += 1;
-                Some(pre.without_guess(d))
-            }
+            (Some(_), Some(pre)) => Some(pre.without_guess(d)),
             (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
             _ => None,
         };
@@ -190,6 +188,8 @@ pub async fn run(
             Some(block) => block.complete(&mut pacing).await?,
             None => (Vec::new(), Duration::ZERO),
         };
+        // A pre-drafted block counts as used when it sends drafts (an `auto` length of 0 sends none).
+        state.stats.ahead_used += usize::from(from_ahead && !drafts.is_empty());
         state.stats.draft_time += round_started.elapsed();
 
         // Draft ahead during the call: a guess for the token after the block, then the next block.
