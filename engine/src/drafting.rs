@@ -93,7 +93,7 @@ impl Pacing {
 pub(crate) struct Block<'a> {
     /// None once the block is complete or its drafting was stopped.
     stream: Option<DraftStream<'a>>,
-    pub tokens: Vec<DraftToken>,
+    tokens: Vec<DraftToken>,
     guess: bool,
     /// The guess was drawn by this stream and then removed (it is the verifier's token now).
     dropped_guess: bool,
