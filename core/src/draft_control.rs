@@ -2,7 +2,9 @@
 //!
 //! # Round model
 //!
-//! One round: the edge drafts `d` tokens (`d * t_draft`) and sends them; the call takes `rtt + V(d+1)`, where
+//! One round: the edge drafts `d` tokens (`t_start + d * t_draft`: `t_start` is what a block costs before its
+//! first step, starting a draft request and catching up on the tokens committed since the last one) and sends
+//! them; the call takes `rtt + V(d+1)`, where
 //! `V(rows) = a + b * rows` is the verifier's compute for `d + 1` scored rows; the verifier commits the accepted
 //! prefix plus one token (correction or bonus). With `alpha_i = P(position i accepted | all before accepted)`,
 //! a round commits `E(d) = sum_{j=0..=d} prod_{i<j} alpha_i` tokens on average.
@@ -10,15 +12,21 @@
 //! Draft-ahead: while the call is in flight the edge drafts the optimistic continuation (a guess of the bonus
 //! token, then the next block). It is used ("hit") when all `d` drafts are accepted and the guess equals the
 //! verifier's bonus, `P_hit(d) = prod_{i<d} alpha_i * beta`. A hit hides the next round's drafting under this
-//! call, so the round costs `max(rtt + V(d+1), (d+1) * t_draft)`; a miss costs `d * t_draft + rtt + V(d+1)`.
+//! call, so the round costs `max(rtt + V(d+1), t_start + (d+1) * t_draft)`; a miss costs
+//! `t_start + d * t_draft + rtt + V(d+1)`.
 //! Without draft-ahead every round is a miss. `d = 0` is plain target decoding: `E = 1`, `T = rtt + V(1)`.
+//! With draft-ahead a round of `d = 0` still drafts the guess while its call is in flight (the edge is idle
+//! then; every few such rounds), and a match counts as an outcome of `alpha_0`: this probe keeps the estimates alive while
+//! drafting does not pay, so a length of 0 is left again when the link slows down or the text gets easier.
+//! Likewise the guess after a fully accepted block of `d` is an outcome of `alpha_d`, so a short length
+//! learns whether a longer one would pay.
 //!
 //! Each round picks the `d` in `0..=max` that maximises `E(d) / T(d)`, committed tokens per second (ties go
 //! to the smaller `d`): a long link makes every call expensive, so more drafts per call pay; a cheap link
 //! or a draft that is rarely accepted makes them waste draft and verifier time. Within a block,
 //! [`DraftController::keep_drafting`] stops early when the draft's own confidence says the rest is unlikely
-//! to be accepted: one more draft adds `P(all so far accepted) * alpha_next` expected tokens, worth
-//! `1 / rate` seconds each at the current rate, and costs `t_draft + b`.
+//! to be accepted: with the acceptance of the tokens drafted so far estimated from their confidence, it
+//! goes on only while some longer block (up to the chosen `d`) has a higher expected `E / T` than ending here.
 //!
 //! All inputs are exponentially weighted online estimates ([`Estimates`]), so they follow drift (a route
 //! change moving the RTT from 20 to 150 ms) within a few rounds. The gateway keeps one gateway-wide instance,
@@ -48,6 +56,10 @@ const MAX_POSITIONS: usize = 1024;
 const MIN_ROUND_S: f64 = 1e-6;
 /// Longest timing sample believed, in seconds: a longer call or draft is an outage, not a round to model.
 const MAX_SAMPLE_S: f64 = 600.0;
+/// A drafting-time sample moves its estimate at most this factor either way: one block that waited on
+/// something else (the draft model's prompt processing, another generation's round) must not set the
+/// step time for many rounds, which it would when no drafting follows to correct it (a length of 0).
+const MAX_DRAFT_SAMPLE_RATIO: f64 = 4.0;
 /// Prior of every `alpha_i`, and its fallback if the table is ever empty.
 const ALPHA_PRIOR: f64 = 0.7;
 
@@ -60,18 +72,22 @@ pub struct RoundObservation {
     pub accepted: usize,
     /// `q(token)` of each drafted token, as drawn; missing or NaN entries are not learned from.
     pub confidences: Vec<f32>,
-    /// Total foreground drafting time of this block; zero (pre-drafted under the last call) is not a sample.
-    pub draft_time: Duration,
+    /// The draft model's time per token in this block, between its first and last token; zero: not measured.
+    pub draft_step: Duration,
+    /// The block's time to its first token beyond one step (starting a draft request, catching up on
+    /// committed tokens); zero: not measured.
+    pub draft_start: Duration,
     /// Wall time of the `/verify` call; zero is not a sample.
     pub call_latency: Duration,
     /// The verifier's own compute time, when it reported one; without it the RTT is latency minus modelled `V`.
     pub verifier_time: Option<Duration>,
-    /// `Some(matched)` when a bonus guess was drafted ahead and all drafts were accepted.
+    /// `Some(matched)` when a guess of the verifier's token was drafted ahead and all drafts (possibly
+    /// none: see [`DraftController`]'s probe) were accepted.
     pub ahead_guess: Option<bool>,
 }
 
 /// Online estimates of the round model's inputs. `Default` holds the priors a fresh gateway starts from:
-/// `alpha_i = 0.7`, `beta = 0.6`, `t_draft = 30 ms`, `rtt = 10 ms`, `V(rows) = 80 ms + 8 ms * rows`, and an
+/// `alpha_i = 0.7`, `beta = 0.6`, `t_draft = 30 ms`, `t_start = 30 ms`, `rtt = 10 ms`, `V(rows) = 80 ms + 8 ms * rows`, and an
 /// acceptance by confidence of `(0.7 + bucket centre) / 2`: draft confidence tends to track acceptance, but a
 /// fresh gateway should not trust it fully before it has seen outcomes.
 #[derive(Clone, Debug, Serialize)]
@@ -83,6 +99,7 @@ pub struct Estimates {
     /// P(a draft is accepted | all before accepted, its confidence in bucket k).
     by_confidence: [f64; BUCKETS],
     t_draft_s: f64,
+    t_start_s: f64,
     rtt_s: f64,
     verify_a_s: f64,
     verify_b_s: f64,
@@ -110,6 +127,7 @@ impl Default for Estimates {
             beta: 0.6,
             by_confidence,
             t_draft_s: 0.030,
+            t_start_s: 0.030,
             rtt_s: 0.010,
             verify_a_s: 0.080,
             verify_b_s: 0.008,
@@ -122,6 +140,12 @@ impl Default for Estimates {
 /// Moves `estimate` a `gain` of the way towards `sample`.
 fn ew(estimate: &mut f64, sample: f64, gain: f64) {
     *estimate += gain * (sample - *estimate);
+}
+
+/// [`ew`] for drafting times, with the sample bounded to [`MAX_DRAFT_SAMPLE_RATIO`] of the estimate either way.
+fn ew_bounded(estimate: &mut f64, sample: f64) {
+    let anchor = estimate.max(1e-4);
+    ew(estimate, sample.clamp(anchor / MAX_DRAFT_SAMPLE_RATIO, anchor * MAX_DRAFT_SAMPLE_RATIO), TIME_GAIN);
 }
 
 /// The confidence bucket of `c`, or `None` for NaN.
@@ -164,12 +188,15 @@ impl Estimates {
     /// `T(d)` given `all_accepted = prod_{i<d} alpha_i`.
     fn round_time_given(&self, d: usize, all_accepted: f64, overlap: bool) -> f64 {
         let call = self.rtt_s + self.verify_time(d + 1);
-        let miss = d as f64 * self.t_draft_s + call;
-        if d == 0 || !overlap {
+        if d == 0 {
+            return call.max(MIN_ROUND_S);
+        }
+        let miss = self.t_start_s + d as f64 * self.t_draft_s + call;
+        if !overlap {
             return miss.max(MIN_ROUND_S);
         }
         let p_hit = all_accepted * self.beta;
-        let hit = call.max((d + 1) as f64 * self.t_draft_s);
+        let hit = call.max(self.t_start_s + (d + 1) as f64 * self.t_draft_s);
         (p_hit * hit + (1.0 - p_hit) * miss).max(MIN_ROUND_S)
     }
 
@@ -195,6 +222,7 @@ impl Estimates {
             overlap,
             rtt_s: self.rtt_s,
             t_draft_s: self.t_draft_s,
+            t_start_s: self.t_start_s,
             verify_a_s: self.verify_a_s,
             verify_b_s: self.verify_b_s,
             beta: self.beta,
@@ -217,13 +245,27 @@ impl Estimates {
                 ew(&mut self.by_confidence[k], outcome, ACCEPT_GAIN);
             }
         }
-        if let Some(matched) = round.ahead_guess.filter(|_| round.drafted > 0 && accepted == round.drafted) {
-            ew(&mut self.beta, if matched { 1.0 } else { 0.0 }, ACCEPT_GAIN);
+        if let Some(matched) = round.ahead_guess.filter(|_| accepted == round.drafted) {
+            let outcome = if matched { 1.0 } else { 0.0 };
+            ew(&mut self.beta, outcome, ACCEPT_GAIN);
+            // The guess is what the draft would have drafted at position `drafted`, so it is also a sample
+            // of that position's acceptance: exact under greedy decoding (accepted iff equal), a
+            // conservative proxy when sampling (sum p*q instead of sum min(p, q)). Without it a length,
+            // once chosen, would never see evidence that a longer one pays (0 included: the probe).
+            let d = round.drafted.min(MAX_POSITIONS - 1);
+            if self.alpha.len() <= d {
+                let seed = self.alpha(d);
+                self.alpha.resize(d + 1, seed);
+            }
+            ew(&mut self.alpha[d], outcome, ACCEPT_GAIN);
         }
         // Timing samples: zero means "not measured", and past MAX_SAMPLE_S or MAX_POSITIONS drafts it is not a round we model.
         let sample = |t: Duration| Some(t.as_secs_f64()).filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS);
-        if let (Some(draft_s), true) = (sample(round.draft_time), round.drafted > 0) {
-            ew(&mut self.t_draft_s, draft_s / round.drafted as f64, TIME_GAIN);
+        if let Some(step_s) = sample(round.draft_step) {
+            ew_bounded(&mut self.t_draft_s, step_s);
+        }
+        if let Some(start_s) = sample(round.draft_start) {
+            ew_bounded(&mut self.t_start_s, start_s);
         }
         let rows = round.drafted.saturating_add(1);
         let verifier_s = round.verifier_time.and_then(sample);
@@ -278,13 +320,37 @@ pub struct DraftChoice {
     pub p_hit: f64,
     pub overlap: bool,
     pub rtt_s: f64,
+    /// Draft model time per token.
     pub t_draft_s: f64,
+    /// Draft time before a block's first step (request start, catching up on committed tokens).
+    pub t_start_s: f64,
     pub verify_a_s: f64,
     pub verify_b_s: f64,
     pub beta: f64,
     /// `alpha_i` for `i` in `0..max_draft`.
     pub alpha: Vec<f64>,
 }
+
+/// What is expected of a block being drafted, from the draft's confidence in each of its tokens so far.
+/// Kept by the block itself: a block drafted ahead goes on after the round that started it is observed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockOdds {
+    drafted: usize,
+    /// P(all drafted so far are accepted).
+    all_accepted: f64,
+    /// Expected committed tokens if the block ended here: `1 + sum_j P(first j accepted)`.
+    expected_tokens: f64,
+}
+
+impl Default for BlockOdds {
+    fn default() -> Self {
+        Self { drafted: 0, all_accepted: 1.0, expected_tokens: 1.0 }
+    }
+}
+
+/// Rounds of length 0 per probe (see the module docs): each probe drafts while the verifier computes, which
+/// costs nothing on separate machines but slows a verifier sharing the host's memory by a few percent.
+const PROBE_EVERY: u32 = 4;
 
 /// One generation's draft-length controller: call [`choose`](Self::choose) before each block,
 /// [`keep_drafting`](Self::keep_drafting) after each drafted token, [`observe`](Self::observe) after the call.
@@ -294,42 +360,57 @@ pub struct DraftController {
     overlap: bool,
     estimates: Estimates,
     choice: DraftChoice,
-    /// Tokens drafted in the current block, and the estimated probability that all of them are accepted.
-    block_drafted: usize,
-    block_all_accepted: f64,
+    /// Rounds of length 0 since the last probe.
+    unprobed: u32,
 }
 
 impl DraftController {
     /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the gateway-wide estimates.
     pub fn new(max_draft: usize, overlap: bool, seed: Estimates) -> Self {
         let choice = seed.best(max_draft, overlap);
-        Self { max_draft, overlap, estimates: seed, choice, block_drafted: 0, block_all_accepted: 1.0 }
+        Self { max_draft, overlap, estimates: seed, choice, unprobed: 0 }
     }
 
-    /// Chooses `d` for the next round from the current estimates and starts a new block.
+    /// Chooses `d` for the next round from the current estimates.
     pub fn choose(&mut self) -> usize {
         self.choice = self.estimates.best(self.max_draft, self.overlap);
-        (self.block_drafted, self.block_all_accepted) = (0, 1.0);
         self.choice.draft
     }
 
-    /// Called after each drafted token of the current block with the probability the draft gave it: whether
-    /// to draft one more. False at the chosen `d`, or once one more draft's expected extra committed tokens,
-    /// at the current rate, are worth less time than it costs (`t_draft + b`).
-    pub fn keep_drafting(&mut self, confidence_of_last_drafted: f32) -> bool {
-        self.block_all_accepted *= self.estimates.acceptance_at_confidence(confidence_of_last_drafted);
-        self.block_drafted = self.block_drafted.saturating_add(1);
-        if self.block_drafted >= self.choice.draft {
+    /// Called after each drafted token of a block with the probability the draft gave it: whether to draft
+    /// one more. False at the chosen `d`, or when no longer block up to it has a higher expected rate than
+    /// ending the block here, given the draft's confidence in the tokens drafted so far.
+    pub fn keep_drafting(&self, block: &mut BlockOdds, confidence_of_last_drafted: f32) -> bool {
+        let e = &self.estimates;
+        block.all_accepted *= e.acceptance_at_confidence(confidence_of_last_drafted);
+        block.expected_tokens += block.all_accepted;
+        block.drafted = block.drafted.saturating_add(1);
+        let (d, overlap) = (self.choice.draft.min(MAX_POSITIONS), self.overlap);
+        if block.drafted >= d {
             return false;
         }
-        let extra_tokens = self.block_all_accepted * self.estimates.alpha(self.block_drafted);
-        extra_tokens >= (self.estimates.t_draft_s + self.estimates.verify_b_s) * self.choice.tokens_per_s
+        let rate_now = block.expected_tokens / e.round_time_given(block.drafted, block.all_accepted, overlap);
+        let (mut tokens, mut all_accepted) = (block.expected_tokens, block.all_accepted);
+        (block.drafted + 1..=d).any(|j| {
+            all_accepted *= e.alpha(j - 1);
+            tokens += all_accepted;
+            tokens / e.round_time_given(j, all_accepted, overlap) > rate_now
+        })
+    }
+
+    /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round.
+    pub fn probe(&mut self) -> bool {
+        self.unprobed += 1;
+        let due = self.unprobed >= PROBE_EVERY;
+        if due {
+            self.unprobed = 0;
+        }
+        due
     }
 
     /// Learns from the round just verified (feed the gateway-wide [`Estimates::observe`] the same observation).
     pub fn observe(&mut self, round: &RoundObservation) {
         self.estimates.observe(round);
-        (self.block_drafted, self.block_all_accepted) = (0, 1.0);
     }
 
     /// The last choice and its inputs.
@@ -353,7 +434,7 @@ mod tests {
     /// Estimates with flat acceptance `alpha` and the given costs in milliseconds.
     fn est(alpha: f64, t_draft_ms: f64, rtt_ms: f64, a_ms: f64, b_ms: f64) -> Estimates {
         let (t_draft_s, rtt_s, verify_a_s, verify_b_s) = (t_draft_ms * MS, rtt_ms * MS, a_ms * MS, b_ms * MS);
-        Estimates { alpha: vec![alpha], t_draft_s, rtt_s, verify_a_s, verify_b_s, ..Estimates::default() }
+        Estimates { alpha: vec![alpha], t_draft_s, t_start_s: 0.0, rtt_s, verify_a_s, verify_b_s, ..Estimates::default() }
     }
 
     fn close(x: f64, want: f64) -> bool {
@@ -412,12 +493,14 @@ mod tests {
     fn simulate(rng: &mut ChaCha8Rng, d: usize, rtt_s: f64) -> RoundObservation {
         let accepted = (0..d).take_while(|_| rng.random_bool(0.8)).count();
         let verifier_s = 0.1 + 0.01 * (d + 1) as f64;
-        let ahead_guess = (d > 0 && accepted == d).then(|| rng.random_bool(0.6));
+        // The guess is the draft's token for position d: accepted like any other (greedy decoding).
+        let ahead_guess = (d > 0 && accepted == d).then(|| rng.random_bool(0.8));
         RoundObservation {
             drafted: d,
             accepted,
             confidences: vec![0.8; d],
-            draft_time: Duration::from_secs_f64(0.03 * d as f64),
+            draft_step: Duration::from_secs_f64(if d > 0 { 0.03 } else { 0.0 }),
+            draft_start: Duration::from_secs_f64(if d > 0 { 0.01 } else { 0.0 }),
             call_latency: Duration::from_secs_f64(rtt_s + verifier_s),
             verifier_time: Some(Duration::from_secs_f64(verifier_s)),
             ahead_guess,
@@ -443,7 +526,44 @@ mod tests {
         assert!((e.rtt_s - 0.150).abs() < 0.2 * 0.150, "{e:?}");
         let (want, want_before) = (at(&e, 0.150), at(&e, 0.020));
         assert_eq!(ctl.choose(), want, "{e:?}");
-        assert!(want > want_before && want > before, "{want} vs {want_before} / {before}");
+        assert!(want >= want_before && want > before, "{want} vs {want_before} / {before}");
+    }
+
+    #[test]
+    fn probes_at_length_zero_bring_drafting_back_when_guesses_match() {
+        let mut ctl = DraftController::new(8, true, est(0.1, 15.0, 100.0, 20.0, 45.0));
+        assert_eq!(ctl.choose(), 0);
+        let probe = |matched| RoundObservation { ahead_guess: Some(matched), ..Default::default() };
+        let rounds = (0..30).take_while(|_| {
+            ctl.observe(&probe(true));
+            ctl.choose() == 0
+        });
+        assert!(rounds.count() < 15, "{:?}", ctl.estimates());
+        // Misses drive it back to 0; a probe that drafted nothing is no evidence about later positions.
+        for _ in 0..30 {
+            ctl.observe(&probe(false));
+        }
+        assert_eq!(ctl.choose(), 0, "{:?}", ctl.estimates());
+        assert!(ctl.estimates().alpha.len() == 1 && ctl.estimates().alpha(0) < 0.05);
+        assert_eq!((0..4 * PROBE_EVERY).filter(|_| ctl.probe()).count(), 4);
+        // After a fully accepted block, the guess is an outcome of the next position.
+        let mut e = est(0.5, 15.0, 100.0, 20.0, 45.0);
+        e.observe(&RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() });
+        assert!(e.alpha.len() == 3 && e.alpha(2) > e.alpha(1) && e.alpha(1) > e.alpha(0) && e.alpha(0) > 0.5, "{e:?}");
+    }
+
+    #[test]
+    fn one_slow_block_moves_the_drafting_times_a_bounded_step() {
+        let mut e = Estimates::default();
+        let slow = RoundObservation { drafted: 2, draft_step: Duration::from_secs(2), draft_start: Duration::from_secs(3), ..Default::default() };
+        e.observe(&slow);
+        // At most 4x the estimate is believed: 30 ms + 0.3 * (120 ms - 30 ms).
+        assert!(close(e.t_draft_s, 0.057) && close(e.t_start_s, 0.057), "{e:?}");
+        let usual = RoundObservation { draft_step: Duration::from_millis(40), draft_start: Duration::from_millis(60), ..slow };
+        for _ in 0..15 {
+            e.observe(&usual);
+        }
+        assert!((e.t_draft_s - 0.040).abs() < 1e-3 && (e.t_start_s - 0.060).abs() < 1e-3, "{e:?}");
     }
 
     #[test]
@@ -456,13 +576,28 @@ mod tests {
         let mut ctl = DraftController::new(16, false, Estimates { by_confidence: e.by_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) });
         let d = ctl.choose();
         assert_eq!(d, 5);
-        assert!(!ctl.keep_drafting(0.05));
-        ctl.choose();
-        let kept = (1..=d).take_while(|_| ctl.keep_drafting(0.97)).count();
+        assert!(!ctl.keep_drafting(&mut BlockOdds::default(), 0.05));
+        let mut block = BlockOdds::default();
+        let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.97)).count();
         assert_eq!(kept, d - 1, "drafted {d} tokens");
         // A mid-block low-confidence token stops it too.
-        ctl.choose();
-        assert!(ctl.keep_drafting(0.97) && !ctl.keep_drafting(0.02));
+        let mut block = BlockOdds::default();
+        assert!(ctl.keep_drafting(&mut block, 0.97) && !ctl.keep_drafting(&mut block, 0.02));
+    }
+
+    #[test]
+    fn tokens_as_confident_as_the_average_run_to_the_chosen_length() {
+        for rtt in [0.0, 20.0, 50.0, 100.0, 200.0] {
+            for overlap in [false, true] {
+                let mut e = est(0.8, 30.0, rtt, 60.0, 35.0);
+                e.by_confidence = [0.8; BUCKETS];
+                let mut ctl = DraftController::new(8, overlap, e);
+                let d = ctl.choose();
+                let mut block = BlockOdds::default();
+                let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.85)).count();
+                assert_eq!(kept, d.saturating_sub(1), "rtt {rtt} overlap {overlap}: d = {d}");
+            }
+        }
     }
 
     #[test]
@@ -486,9 +621,10 @@ mod tests {
         for case in 0..500 {
             let max = rng.random_range(0..=12usize);
             let alpha: Vec<f64> = (0..max.max(1)).map(|_| rng.random_range(0.0..1.0)).collect();
-            let (beta, t, rtt, a, b, overlap) = (
+            let (beta, t, start, rtt, a, b, overlap) = (
                 rng.random_range(0.0..1.0),
                 rng.random_range(0.001..0.1),
+                rng.random_range(0.0..0.1),
                 rng.random_range(0.0..0.5),
                 rng.random_range(0.0..0.2),
                 rng.random_range(0.0..0.03),
@@ -497,12 +633,12 @@ mod tests {
             let rate = |d: usize| {
                 let e: f64 = (0..=d).map(|j| alpha[..j].iter().product::<f64>()).sum();
                 let (v, all) = (a + b * (d + 1) as f64, alpha[..d].iter().product::<f64>());
-                let miss = d as f64 * t + rtt + v;
-                let time = if d == 0 || !overlap { miss } else { all * beta * (rtt + v).max((d + 1) as f64 * t) + (1.0 - all * beta) * miss };
+                let miss = if d == 0 { rtt + v } else { start + d as f64 * t + rtt + v };
+                let time = if d == 0 || !overlap { miss } else { all * beta * (rtt + v).max(start + (d + 1) as f64 * t) + (1.0 - all * beta) * miss };
                 e / time
             };
             let want = (0..=max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best });
-            let estimates = Estimates { alpha: alpha.clone(), beta, t_draft_s: t, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
+            let estimates = Estimates { alpha: alpha.clone(), beta, t_draft_s: t, t_start_s: start, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
             let mut ctl = DraftController::new(max, overlap, estimates);
             assert_eq!(ctl.choose(), want, "case {case}");
             assert!((ctl.choice().tokens_per_s - rate(want)).abs() < 1e-9 * rate(want), "case {case}");
@@ -528,7 +664,8 @@ mod tests {
             ctl.observe(round);
             let d = ctl.choose();
             assert!(d <= MAX_POSITIONS);
-            let _ = (ctl.keep_drafting(f32::NAN), ctl.keep_drafting(2.0), ctl.keep_drafting(-3.0));
+            let mut block = BlockOdds::default();
+            let _ = (ctl.keep_drafting(&mut block, f32::NAN), ctl.keep_drafting(&mut block, 2.0), ctl.keep_drafting(&mut block, -3.0));
             let c = ctl.choice();
             assert!(c.tokens_per_s.is_finite() && c.round_time_s > 0.0 && c.alpha.iter().all(|a| (0.0..=1.0).contains(a)), "{c:?}");
         }

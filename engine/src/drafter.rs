@@ -23,20 +23,12 @@ use mistralrs::core::{
 use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
-use spade_core::{distribution, DraftToken, SamplingParams};
+use spade_core::{distribution, DraftToken};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, ModelMeta, ModelSource};
-use crate::{DraftMessage, DraftStream, Drafter, EngineError, Role};
-
-/// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
-/// target's p is what makes drafts accepted.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DraftParams {
-    pub sampling: SamplingParams,
-    pub seed: u64,
-}
+use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role};
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {

@@ -5,12 +5,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::{DraftChoice, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
 use spade_core::openai::DraftLen;
 use spade_core::DraftToken;
 
-use crate::drafter::DraftParams;
-use crate::{DraftStream, Drafter, EngineError};
+use crate::{DraftParams, DraftStream, Drafter, EngineError};
 
 /// Draft tokens per round: a fixed number, or chosen online each round.
 #[derive(Debug, Clone)]
@@ -64,10 +63,18 @@ impl Pacing {
     }
 
     /// After each drafted token of a block: whether one more is worth drafting.
-    pub fn keep_drafting(&mut self, confidence: f32) -> bool {
+    pub fn keep_drafting(&self, block: &mut BlockOdds, confidence: f32) -> bool {
         match self {
             Self::Fixed(_) => true,
-            Self::Auto { controller, .. } => controller.keep_drafting(confidence),
+            Self::Auto { controller, .. } => controller.keep_drafting(block, confidence),
+        }
+    }
+
+    /// Whether a round that drafts nothing drafts a guess anyway, to measure the draft's acceptance.
+    pub fn probe(&mut self) -> bool {
+        match self {
+            Self::Fixed(_) => false,
+            Self::Auto { controller, .. } => controller.probe(),
         }
     }
 
@@ -100,8 +107,20 @@ pub(crate) struct Block<'a> {
     /// Most block tokens wanted (the guess not counted).
     cap: usize,
     started: Instant,
+    /// From the start to the first token drawn.
+    first: Option<Duration>,
+    /// What the pacing expects of the block's tokens so far.
+    odds: BlockOdds,
     /// From the start to the last token drawn.
     pub busy: Duration,
+}
+
+/// The draft model's pace in one block: its time per token, and what came before its first step
+/// (starting the request, catching up on committed tokens). Zero where the block cannot tell.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct DraftTiming {
+    pub start: Duration,
+    pub step: Duration,
 }
 
 impl<'a> Block<'a> {
@@ -109,7 +128,7 @@ impl<'a> Block<'a> {
     pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
         let started = Instant::now();
         let stream = drafter.draft_stream(context, cap + usize::from(guess), params).await?;
-        Ok(Self { stream: Some(stream), tokens: Vec::new(), guess, dropped_guess: false, cap, started, busy: Duration::ZERO })
+        Ok(Self { stream: Some(stream), tokens: Vec::new(), guess, dropped_guess: false, cap, started, first: None, odds: BlockOdds::default(), busy: Duration::ZERO })
     }
 
     /// The block's own tokens so far (without the guess).
@@ -119,8 +138,8 @@ impl<'a> Block<'a> {
 
     /// Draws one more token; false once the block is complete (its cap reached, an end-of-sequence
     /// token, or the pacing says stop).
-    async fn pull(&mut self, pacing: &mut Pacing) -> Result<bool, EngineError> {
-        if self.drafted() >= self.cap {
+    async fn pull(&mut self, pacing: &Pacing) -> Result<bool, EngineError> {
+        if self.tokens.len() >= self.cap + usize::from(self.guess) {
             self.stream = None;
         }
         let Some(stream) = self.stream.as_mut() else { return Ok(false) };
@@ -131,7 +150,8 @@ impl<'a> Block<'a> {
         let confidence = token.q.prob(token.token) as f32;
         self.tokens.push(token);
         self.busy = self.started.elapsed();
-        if self.drafted() > 0 && !pacing.keep_drafting(confidence) {
+        self.first.get_or_insert(self.busy);
+        if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, confidence) {
             self.stream = None;
         }
         Ok(self.stream.is_some())
@@ -139,7 +159,7 @@ impl<'a> Block<'a> {
 
     /// Drafts while `until` runs and returns its output. A drafting error only ends the drafting: the
     /// block is then treated as incomplete (its tokens so far stay valid).
-    pub async fn pull_while<F: Future>(&mut self, until: F, pacing: &mut Pacing) -> F::Output {
+    pub async fn pull_while<F: Future>(&mut self, until: F, pacing: &Pacing) -> F::Output {
         tokio::pin!(until);
         loop {
             if self.stream.is_none() {
@@ -157,10 +177,15 @@ impl<'a> Block<'a> {
     }
 
     /// The guess, waiting for it if it is not drawn yet (None if the drafting ended without one).
-    pub async fn guess(&mut self, pacing: &mut Pacing) -> Option<u32> {
+    pub async fn guess(&mut self, pacing: &Pacing) -> Option<u32> {
         if self.tokens.is_empty() {
             let _ = self.pull(pacing).await;
         }
+        self.drawn_guess()
+    }
+
+    /// The guess if it is already drawn.
+    pub fn drawn_guess(&self) -> Option<u32> {
         self.tokens.first().map(|t| t.token).filter(|_| self.guess)
     }
 
@@ -177,14 +202,19 @@ impl<'a> Block<'a> {
     }
 
     /// Drafts the rest of the block (to its cap, an end-of-sequence token, or the pacing's stop) and
-    /// returns its tokens, any beyond the cap dropped, with the draft model's time for them.
-    pub async fn complete(mut self, pacing: &mut Pacing) -> Result<(Vec<DraftToken>, Duration), EngineError> {
+    /// returns its tokens, any beyond the cap dropped, with the draft model's pace over the whole stream.
+    pub async fn complete(mut self, pacing: &Pacing) -> Result<(Vec<DraftToken>, DraftTiming), EngineError> {
         while self.pull(pacing).await? {}
         let pulled = self.tokens.len() + usize::from(self.dropped_guess);
         self.tokens.truncate(self.cap + usize::from(self.guess));
-        // The draft model's step time, spread over every token it drew for this stream.
-        let time = if pulled == 0 { Duration::ZERO } else { self.busy.mul_f64(self.tokens.len() as f64 / pulled as f64) };
-        Ok((self.tokens, time))
+        let timing = match self.first {
+            Some(first) if pulled >= 2 => {
+                let step = self.busy.saturating_sub(first) / (pulled - 1) as u32;
+                DraftTiming { start: first.saturating_sub(step), step }
+            }
+            _ => DraftTiming::default(),
+        };
+        Ok((self.tokens, timing))
     }
 }
 
@@ -192,7 +222,7 @@ impl<'a> Block<'a> {
 pub(crate) fn observation(
     drafts: &[DraftToken],
     accepted: usize,
-    draft_time: Duration,
+    timing: DraftTiming,
     latency: Duration,
     verifier: Option<Duration>,
     guess: Option<bool>,
@@ -201,7 +231,8 @@ pub(crate) fn observation(
         drafted: drafts.len(),
         accepted,
         confidences: drafts.iter().map(|d| d.q.prob(d.token) as f32).collect(),
-        draft_time,
+        draft_step: timing.step,
+        draft_start: timing.start,
         call_latency: latency,
         verifier_time: verifier,
         ahead_guess: guess,

@@ -1,12 +1,13 @@
 //! spade-engine: the model seam. The only crate that touches mistral.rs or candle.
 //!
 //! - [`Drafter`]: the edge model proposing tokens with the exact distribution each was drawn from
-//!   ([`MistralDrafter`], on mistral.rs).
+//!   (`MistralDrafter`, on mistral.rs, with the `drafter` feature: the verifier builds without it).
 //! - [`Scorer`]: the cloud model returning logits at every appended position, KV-cached per session
 //!   ([`CandleScorer`], on candle's quantized kernels).
 //! - [`speculative`]: the in-process loop tying them together with spade-core's verification.
 
 mod draft_stream;
+#[cfg(feature = "drafter")]
 pub mod drafter;
 mod drafting;
 mod error;
@@ -16,7 +17,8 @@ pub mod scorer;
 pub mod speculative;
 
 pub use draft_stream::{DraftMessage, DraftStream};
-pub use drafter::{DraftParams, MistralDrafter};
+#[cfg(feature = "drafter")]
+pub use drafter::MistralDrafter;
 pub use error::EngineError;
 pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
 pub use scorer::CandleScorer;
@@ -26,6 +28,14 @@ pub use spade_core::DraftToken;
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
 pub fn set_compute_threads(n: usize) -> Result<(), String> {
     rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())
+}
+
+/// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
+/// target's p is what makes drafts accepted.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DraftParams {
+    pub sampling: spade_core::SamplingParams,
+    pub seed: u64,
 }
 
 /// The edge model: proposes up to `n` tokens after `committed`, each with its exact q.

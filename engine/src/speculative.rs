@@ -12,11 +12,10 @@ use spade_core::draft_control::DraftChoice;
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, SamplingParams};
 
-use crate::drafter::DraftParams;
 pub use crate::drafting::DraftLength;
-use crate::drafting::{observation, Block, Pacing};
+use crate::drafting::{observation, Block, DraftTiming, Pacing};
 use crate::round::verify_round;
-use crate::{Drafter, EngineError, ScoreSession};
+use crate::{DraftParams, Drafter, EngineError, ScoreSession};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
 #[async_trait::async_trait]
@@ -184,20 +183,21 @@ pub async fn run(
             (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
             _ => None,
         };
-        let (drafts, draft_time) = match block {
-            Some(block) => block.complete(&mut pacing).await?,
-            None => (Vec::new(), Duration::ZERO),
+        let (drafts, timing) = match block {
+            Some(block) => block.complete(&pacing).await?,
+            None => (Vec::new(), DraftTiming::default()),
         };
         // A pre-drafted block counts as used when it sends drafts (an `auto` length of 0 sends none).
         state.stats.ahead_used += usize::from(from_ahead && !drafts.is_empty());
         state.stats.draft_time += round_started.elapsed();
 
-        // Draft ahead during the call: a guess for the token after the block, then the next block.
+        // Draft ahead during the call: a guess for the token after the block, then the next block. When
+        // the next block is to be empty (`auto` chose 0), the guess alone still probes the draft's acceptance.
         let after = remaining.saturating_sub(drafts.len() + 1);
         let next_d = if after > 1 { pacing.choose().min(after - 1) } else { 0 };
         let mut context = Vec::new();
         let mut next = match drafter {
-            Some(drafter) if params.draft_ahead && next_d > 0 && !ends_with_stop(&drafts, params) => {
+            Some(drafter) if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(&drafts, params) => {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
                 Some(Block::start(drafter, &context, next_d, true, &params.draft).await?)
@@ -208,7 +208,7 @@ pub async fn run(
         let verified = {
             let call = verifier.verify(&state.seq, &drafts);
             match (next.as_mut(), drafter) {
-                (Some(next), _) => next.pull_while(call, &mut pacing).await,
+                (Some(next), _) => next.pull_while(call, &pacing).await,
                 // Without draft-ahead, the first call still overlaps the draft's prefill.
                 (None, Some(drafter)) if first => {
                     let (verified, warmed) = tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
@@ -235,8 +235,14 @@ pub async fn run(
             state.stats.ahead_drafted += 1;
             state.stats.overlap_time += next.busy.min(latency);
             let bonus = verified.committed.last().copied();
-            if all_accepted {
-                let matched = next.guess(&mut pacing).await.is_some_and(|g| Some(g) == bonus);
+            // A probe (nothing drafted after its guess) is not worth waiting for.
+            let guess = match (all_accepted, next_d > 0) {
+                (false, _) => None,
+                (true, true) => next.guess(&pacing).await,
+                (true, false) => next.drawn_guess(),
+            };
+            if let Some(guess) = guess {
+                let matched = Some(guess) == bonus;
                 guess_matched = Some(matched);
                 if matched {
                     ahead = Some(next);
@@ -245,7 +251,7 @@ pub async fn run(
         }
         // The first call prefills the prompt: its time says nothing about a block's cost per round.
         if !prefilled {
-            pacing.observe(&observation(&drafts, verified.accepted, draft_time, latency, verified.verifier_time, guess_matched));
+            pacing.observe(&observation(&drafts, verified.accepted, timing, latency, verified.verifier_time, guess_matched));
         }
         if let Some(finish) = state.commit_block(&drafts, &verified).await? {
             return Ok(state.end(finish, &pacing));

@@ -7,7 +7,8 @@ mod common;
 
 use common::*;
 use spade_core::{distribution, verify_block, SamplingParams};
-use spade_engine::drafter::{DraftParams, DrafterOptions};
+use spade_engine::drafter::DrafterOptions;
+use spade_engine::DraftParams;
 use spade_engine::{Drafter, MistralDrafter, Role, Scorer};
 
 fn kl(p: &spade_core::SparseDist, q: &spade_core::SparseDist) -> f64 {

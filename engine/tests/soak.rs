@@ -4,7 +4,8 @@ mod common;
 
 use common::*;
 use spade_core::SamplingParams;
-use spade_engine::drafter::{DraftParams, DrafterOptions};
+use spade_engine::drafter::DrafterOptions;
+use spade_engine::DraftParams;
 use spade_engine::{Drafter, Role};
 
 fn rss_mb() -> f64 {

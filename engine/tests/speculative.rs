@@ -6,7 +6,8 @@ mod common;
 use common::*;
 use rand::{Rng, SeedableRng};
 use spade_core::{DraftToken, SamplingParams, SparseDist};
-use spade_engine::drafter::{DraftParams, DrafterOptions};
+use spade_engine::drafter::DrafterOptions;
+use spade_engine::DraftParams;
 use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
 use spade_engine::{Drafter, EngineError, ModelMeta, Role, Scorer};
 
