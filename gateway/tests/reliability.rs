@@ -192,6 +192,64 @@ async fn slow_verifier_times_out_instead_of_hanging() {
     assert!(pass, "{body}");
 }
 
+/// Six concurrent greedy requests, non-streamed: (status, body) each.
+async fn six_at_once(url: &str, max_tokens: usize) -> Vec<(u16, Value)> {
+    let tasks: Vec<_> = (0..6)
+        .map(|i| {
+            let (url, body) = (url.to_string(), request(PROMPTS[i % PROMPTS.len()], max_tokens, json!({})));
+            tokio::spawn(async move { post(&url, &body).await })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+/// A verifier with one worker and no queue (`--queue-size 0`) answers 429 with `retry-after: 1` to
+/// every call that finds the worker busy. The gateway waits as told and retries: every answer is
+/// target-only's. With no retries allowed, each refused call fails exactly its own request with a
+/// clear 503, and the others are unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_cleanly() {
+    let max_tokens = 12;
+    let expected = reference(&PROMPTS, max_tokens).await;
+    let verifier = start_verifier_on(0, &["--queue-size", "0", "--workers", "1"]).await;
+    let patient = start_gateway(&verifier.url, &["--verify-retries", "30"]).await;
+    let started = Instant::now();
+    let answers = six_at_once(&patient.url, max_tokens).await;
+    let elapsed = started.elapsed();
+    let refused = metric(&verifier.url, "spade_verify_queue_full_total").await;
+    let identical = answers.iter().enumerate().filter(|(i, (status, v))| *status == 200 && content(v) == expected[i % PROMPTS.len()]).count();
+    // Every 429 says retry after 1 s: a gateway that honoured it took at least that long.
+    let pass = identical == 6 && refused > 0.0 && elapsed >= Duration::from_secs(1);
+    report(
+        "faults",
+        "verifier queue full (429 + retry-after), 30 retries",
+        &format!("{identical}/6 identical to target-only; {refused} calls refused with 429; {:.1} s", elapsed.as_secs_f64()),
+        pass,
+    );
+    assert!(pass, "{answers:?}");
+
+    let strict = start_gateway(&verifier.url, &["--verify-retries", "0"]).await;
+    let answers = six_at_once(&strict.url, max_tokens).await;
+    let refused_now = metric(&verifier.url, "spade_verify_queue_full_total").await - refused;
+    let failed: Vec<&Value> = answers.iter().filter(|(status, _)| *status != 200).map(|(_, v)| v).collect();
+    let clean = failed.iter().all(|v| v["error"]["code"] == "verifier_unavailable" && v["error"]["message"].as_str().is_some_and(|m| m.contains("429")));
+    let others_identical = answers.iter().enumerate().all(|(i, (status, v))| *status != 200 || content(v) == expected[i % PROMPTS.len()]);
+    let statuses_ok = answers.iter().all(|(status, _)| matches!(status, 200 | 503));
+    // A refused call fails its request at once, and that request makes no further calls.
+    let pass = statuses_ok && clean && others_identical && failed.len() as f64 == refused_now;
+    report(
+        "faults",
+        "verifier queue full (429), no retries",
+        &format!("{} of 6 failed with 503 verifier_unavailable, {refused_now} calls refused; the rest identical to target-only: {others_identical}", failed.len()),
+        pass,
+    );
+    assert!(pass, "{answers:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifier_restart_mid_stream_resends_context_and_stays_lossless() {
     let max_tokens = 60;
