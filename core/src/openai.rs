@@ -104,6 +104,17 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
+    /// Legacy function calling: refused by name (not silently ignored) until tools are supported.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub functions: Option<Value>,
+    /// Legacy function calling: refused by name unless `"none"`.
+    #[serde(default)]
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<Value>,
+    /// Extension (vLLM): refused by name unless 1 (it would change the target's distribution).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
     #[serde(default)]
     pub user: Option<String>,
     /// Extension: SPADE's own per-request settings.

@@ -99,6 +99,18 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     if req.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
         return Err(refuse("tool_choice", "tool_choice is not supported (only \"none\")"));
     }
+    if req.functions.as_ref().is_some_and(|f| !f.is_null() && f.as_array().is_none_or(|a| !a.is_empty())) {
+        return Err(refuse("functions", "functions (legacy function calling) are not supported"));
+    }
+    if req.function_call.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
+        return Err(refuse("function_call", "function_call is not supported (only \"none\")"));
+    }
+    if req.repetition_penalty.is_some_and(|p| p != 1.0) {
+        return Err(refuse(
+            "repetition_penalty",
+            "repetition_penalty is not supported: it would change the target's distribution, which SPADE reproduces exactly",
+        ));
+    }
     let sampling = SamplingParams::with_defaults(req.temperature, req.top_p, req.top_k, req.min_p);
     sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None })?;
     let (name, max) = match (req.max_completion_tokens, req.max_tokens) {
