@@ -8,7 +8,8 @@
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering and the constant-time secret comparison both servers use.
-//! - [`openai`], [`protocol`], [`error`]: wire types of the public API, of `/verify`, and the error body.
+//! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
+//!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
 
 pub mod dist;
 pub mod draft_control;
@@ -21,6 +22,7 @@ pub mod rng;
 pub mod sampling;
 pub mod text;
 pub mod verify;
+pub mod vllm;
 
 pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};

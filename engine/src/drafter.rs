@@ -129,11 +129,6 @@ impl MistralDrafter {
         runner.model.tokenize(Either::Left(m), None, false, true, None).await.map_err(|e| EngineError::Drafter(e.to_string()))
     }
 
-    pub async fn encode_text(&self, text: &str) -> Result<Vec<u32>, EngineError> {
-        let runner = self.runner.read().await;
-        runner.model.tokenize(Either::Right(text.to_string()), None, false, false, None).await.map_err(|e| EngineError::Drafter(e.to_string()))
-    }
-
     pub async fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
         <Self as crate::EdgeModel>::decode(self, tokens)
     }
@@ -385,5 +380,19 @@ impl crate::EdgeModel for MistralDrafter {
 
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
         self.tokenizer.decode(tokens, true).map_err(|e| EngineError::Drafter(format!("decoding: {e}")))
+    }
+
+    async fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        let runner = self.runner.read().await;
+        let tokenized = runner.model.tokenize(Either::Right(text.to_string()), None, add_special_tokens, false, None).await;
+        tokenized.map_err(|e| EngineError::Drafter(e.to_string()))
+    }
+
+    fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        self.tokenizer.decode(tokens, false).map_err(|e| EngineError::Drafter(format!("decoding: {e}")))
+    }
+
+    fn token_piece(&self, id: u32) -> Option<String> {
+        self.tokenizer.id_to_token(id)
     }
 }

@@ -75,6 +75,12 @@ pub trait EdgeModel: Drafter {
     async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError>;
     /// Ids to text, special tokens skipped. Cheap and synchronous: called for every streamed token.
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError>;
+    /// Text to ids without a chat template, with the tokenizer's special tokens (BOS) when asked.
+    async fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineError>;
+    /// Ids to text, special tokens kept.
+    fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError>;
+    /// The vocabulary's own string for `id` (for example `Ġthe`); None outside the vocabulary.
+    fn token_piece(&self, id: u32) -> Option<String>;
 }
 
 /// The cloud model. Weights are shared; each context gets its own [`ScoreSession`].

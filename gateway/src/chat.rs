@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use rand::Rng;
 use spade_core::limits::MAX_TOP_LOGPROBS;
-use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, DraftLen, MessageContent, Role, StopSequences};
+use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, DraftLen, MessageContent, Role, StopSequences};
 use spade_core::{ErrorBody, SamplingParams};
 use spade_engine::speculative::DraftLength;
 use spade_http::{Json, RequestError};
@@ -35,16 +35,17 @@ pub struct ValidChat {
     pub draft_len: Option<DraftLen>,
 }
 
-fn refuse(param: &str, message: &str) -> ApiError {
+pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
     RequestError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }.into()
 }
 
-pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
-    if req.messages.is_empty() {
+/// Chat messages as `(role, text)` pairs for the chat template, or the named reason they cannot be.
+pub(crate) fn chat_messages(input: &[ChatMessage]) -> Result<Vec<(Role, String)>, ApiError> {
+    if input.is_empty() {
         return Err(ApiError::invalid("messages", "messages must contain at least one message"));
     }
-    let mut messages = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
+    let mut messages = Vec::with_capacity(input.len());
+    for (i, m) in input.iter().enumerate() {
         if m.role == Role::Tool {
             return Err(refuse(&format!("messages[{i}].role"), "tool messages are not supported (SPADE does not support tools)"));
         }
@@ -70,6 +71,11 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         };
         messages.push((m.role, content));
     }
+    Ok(messages)
+}
+
+pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
+    let messages = chat_messages(&req.messages)?;
     if req.n.is_some_and(|n| n != 1) {
         return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
     }

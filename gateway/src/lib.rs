@@ -2,7 +2,8 @@
 //! verified block by block by `spade-verifier`, streamed back as SSE.
 //!
 //! Handlers are thin: `chat` validates and starts a `generation` (the draft/verify loop), `respond`
-//! shapes its events into OpenAI JSON or SSE, `verifier` is the HTTP client of the cloud side.
+//! shapes its events into OpenAI JSON or SSE, `verifier` is the HTTP client of the cloud side,
+//! `tokenize` answers vLLM's `/tokenize` and `/detokenize`.
 //! The server skeleton (auth, errors, flags, serving) is spade-http's.
 
 mod admin;
@@ -14,6 +15,7 @@ mod metrics;
 pub mod openapi;
 mod respond;
 pub mod state;
+mod tokenize;
 mod verifier;
 
 use axum::routing::{get, post};
@@ -29,6 +31,8 @@ pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/models", get(admin::models))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(admin::metrics))
         .with_state(state.clone());
     spade_http::app(get(admin::health).with_state(state.clone()), protected, &state.http)

@@ -1,6 +1,7 @@
 //! The OpenAPI document, generated from the handlers' annotations; spade-http adds the shared parts.
 
 use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelList, SpadeUsage, Usage};
+use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use utoipa::OpenApi;
 
 use crate::admin::Health;
@@ -8,7 +9,26 @@ use crate::admin::Health;
 #[derive(OpenApi)]
 #[openapi(
     info(title = "SPADE gateway", description = "Edge side of SPADE: OpenAI-compatible chat completions, drafted locally and verified by the cloud model."),
-    paths(crate::chat::chat_completions, crate::admin::models, crate::admin::health, crate::admin::metrics),
-    components(schemas(ChatCompletionRequest, ChatCompletion, ChatCompletionChunk, Usage, SpadeUsage, ModelList, Health))
+    paths(
+        crate::chat::chat_completions,
+        crate::tokenize::tokenize,
+        crate::tokenize::detokenize,
+        crate::admin::models,
+        crate::admin::health,
+        crate::admin::metrics
+    ),
+    components(schemas(
+        ChatCompletionRequest,
+        ChatCompletion,
+        ChatCompletionChunk,
+        Usage,
+        SpadeUsage,
+        ModelList,
+        Health,
+        TokenizeRequest,
+        TokenizeResponse,
+        DetokenizeRequest,
+        DetokenizeResponse
+    ))
 )]
 pub struct ApiDoc;

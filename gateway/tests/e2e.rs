@@ -177,3 +177,50 @@ async fn draft_len_over_the_verifiers_max_draft_is_not_ready() {
     let fitting = start_gateway(&verifier.url, &["--draft-len", "2"]).await;
     assert_eq!(health(&fitting.url).await.0, 200);
 }
+
+/// vLLM's `/tokenize` and `/detokenize` with the real tokenizer: chat messages count exactly the
+/// completion's prompt tokens, a prompt round-trips, and bad input gets a named 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_and_detokenize_match_the_model() {
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let call = |path: &str, body: Value| {
+        let url = format!("{}{path}", gateway.url);
+        async move {
+            let r = reqwest::Client::new().post(url).json(&body).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[2]}]);
+    let (status, counted) = call("/tokenize", json!({"model": "spade", "messages": messages})).await;
+    assert_eq!(status, 200, "{counted}");
+    let answer = complete(&gateway.url, &json!({"messages": messages, "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(counted["count"], answer["usage"]["prompt_tokens"], "{counted} vs {}", answer["usage"]);
+    assert!(counted["max_model_len"].as_u64().is_some_and(|n| n >= 2048), "{counted}");
+    assert!(counted.get("token_strs").is_none(), "{counted}");
+
+    let text = "Héllo wörld: fn main() { println!(\"🎉\"); }";
+    let (status, tokens) = call("/tokenize", json!({"prompt": text, "return_token_strs": true})).await;
+    assert_eq!(status, 200, "{tokens}");
+    let ids = tokens["tokens"].as_array().unwrap();
+    assert_eq!(tokens["count"].as_u64(), Some(ids.len() as u64));
+    assert!(ids.len() > 5 && ids.len() < text.len(), "{tokens}");
+    assert_eq!(tokens["token_strs"].as_array().map(Vec::len), Some(ids.len()), "{tokens}");
+    let (status, back) = call("/detokenize", json!({"tokens": ids})).await;
+    assert_eq!((status, back["prompt"].as_str()), (200, Some(text)), "{back}");
+    // Special tokens are kept: the chat prompt's text shows the template's markers.
+    let (_, chat_text) = call("/detokenize", json!({"tokens": counted["tokens"]})).await;
+    assert!(chat_text["prompt"].as_str().is_some_and(|t| t.contains("<|im_start|>") && t.contains(PROMPTS[2])), "{chat_text}");
+
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "prompt"),
+        ("/tokenize", json!({"prompt": "a", "messages": messages}), "messages"),
+        ("/tokenize", json!({"messages": []}), "messages"),
+        ("/tokenize", json!({"messages": messages, "add_generation_prompt": false}), "add_generation_prompt"),
+        ("/detokenize", json!({"tokens": [1, -5]}), "tokens"),
+        ("/detokenize", json!({"tokens": [10_000_000]}), "tokens"),
+    ] {
+        let (status, error) = call(path, body.clone()).await;
+        assert_eq!((status, &error["error"]["param"]), (400, &json!(param)), "{path} {body}: {error}");
+    }
+}

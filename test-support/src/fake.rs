@@ -163,5 +163,18 @@ pub mod bytes {
             let bytes: Vec<u8> = tokens.iter().filter(|&&t| t < 256).map(|&t| t as u8).collect();
             Ok(String::from_utf8_lossy(&bytes).into_owned())
         }
+
+        async fn encode_text(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+            Ok(text.bytes().map(u32::from).collect())
+        }
+
+        fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError> {
+            let bytes: Vec<u8> = tokens.iter().flat_map(|&t| if t < 256 { vec![t as u8] } else { b"<eos>".to_vec() }).collect();
+            Ok(String::from_utf8_lossy(&bytes).into_owned())
+        }
+
+        fn token_piece(&self, id: u32) -> Option<String> {
+            (id < VOCAB).then(|| if id < 256 { format!("<0x{id:02X}>") } else { "<eos>".into() })
+        }
     }
 }
