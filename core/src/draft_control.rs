@@ -638,7 +638,8 @@ mod tests {
                 e / time
             };
             let want = (0..=max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best });
-            let estimates = Estimates { alpha: alpha.clone(), beta, t_draft_s: t, t_start_s: start, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
+            let estimates =
+                Estimates { alpha: alpha.clone(), beta, t_draft_s: t, t_start_s: start, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
             let mut ctl = DraftController::new(max, overlap, estimates);
             assert_eq!(ctl.choose(), want, "case {case}");
             assert!((ctl.choice().tokens_per_s - rate(want)).abs() < 1e-9 * rate(want), "case {case}");

@@ -128,7 +128,17 @@ impl<'a> Block<'a> {
     pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
         let started = Instant::now();
         let stream = drafter.draft_stream(context, cap + usize::from(guess), params).await?;
-        Ok(Self { stream: Some(stream), tokens: Vec::new(), guess, dropped_guess: false, cap, started, first: None, odds: BlockOdds::default(), busy: Duration::ZERO })
+        Ok(Self {
+            stream: Some(stream),
+            tokens: Vec::new(),
+            guess,
+            dropped_guess: false,
+            cap,
+            started,
+            first: None,
+            odds: BlockOdds::default(),
+            busy: Duration::ZERO,
+        })
     }
 
     /// The block's own tokens so far (without the guess).

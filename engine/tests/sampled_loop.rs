@@ -12,8 +12,8 @@ use common::*;
 use spade_core::openai::Role;
 use spade_core::{distribution, SamplingParams};
 use spade_engine::drafter::DrafterOptions;
-use spade_engine::DraftParams;
 use spade_engine::speculative::{self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable};
+use spade_engine::DraftParams;
 use spade_engine::{Drafter, Scorer};
 use spade_test_support::chi_square_critical as critical;
 

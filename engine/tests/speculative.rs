@@ -7,8 +7,8 @@ use common::*;
 use rand::{Rng, SeedableRng};
 use spade_core::{DraftToken, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
-use spade_engine::DraftParams;
 use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
+use spade_engine::DraftParams;
 use spade_engine::{Drafter, EngineError, ModelMeta, Role, Scorer};
 
 fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {

@@ -41,7 +41,7 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Event {
     Text { text: String, logprobs: Vec<TokenLogprobContent> },
-    Finished { finish: FinishReason, record: GenerationRecord },
+    Finished { finish: FinishReason, record: Box<GenerationRecord> },
     Failed(ApiError),
 }
 
@@ -60,7 +60,7 @@ pub async fn run(state: AppState, job: Job, events: mpsc::Sender<Event>) {
         Ok((finish, mut record)) => {
             record.duration = started.elapsed();
             state.metrics.record_generation(&record);
-            let _ = events.send(Event::Finished { finish, record }).await;
+            let _ = events.send(Event::Finished { finish, record: Box::new(record) }).await;
         }
         Err(e) => {
             tracing::warn!("generation failed: {e}");

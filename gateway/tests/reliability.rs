@@ -244,7 +244,10 @@ async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_clea
     report(
         "faults",
         "verifier queue full (429), no retries",
-        &format!("{} of 6 failed with 503 verifier_unavailable, {refused_now} calls refused; the rest identical to target-only: {others_identical}", failed.len()),
+        &format!(
+            "{} of 6 failed with 503 verifier_unavailable, {refused_now} calls refused; the rest identical to target-only: {others_identical}",
+            failed.len()
+        ),
         pass,
     );
     assert!(pass, "{answers:?}");
