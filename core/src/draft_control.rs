@@ -98,6 +98,8 @@ pub struct Estimates {
     beta: f64,
     /// P(a draft is accepted | all before accepted, its confidence in bucket k).
     by_confidence: [f64; BUCKETS],
+    /// The same over every bucket: what a bucket's rate is read against (see [`Estimates::acceptance_at`]).
+    any_confidence: f64,
     t_draft_s: f64,
     t_start_s: f64,
     rtt_s: f64,
@@ -126,6 +128,7 @@ impl Default for Estimates {
             alpha: vec![ALPHA_PRIOR],
             beta: 0.6,
             by_confidence,
+            any_confidence: ALPHA_PRIOR,
             t_draft_s: 0.030,
             t_start_s: 0.030,
             rtt_s: 0.010,
@@ -159,9 +162,16 @@ impl Estimates {
         self.alpha.get(i).or(self.alpha.last()).copied().unwrap_or(ALPHA_PRIOR)
     }
 
-    /// Estimated acceptance of a draft the draft model gave probability `confidence` (NaN: no information, `alpha_0`).
-    pub fn acceptance_at_confidence(&self, confidence: f32) -> f64 {
-        bucket(confidence).map_or(self.alpha(0), |k| self.by_confidence[k])
+    /// Estimated acceptance of a draft at `position` that the draft model gave probability `confidence`:
+    /// `alpha_position`, scaled by how much more or less often drafts of that confidence are accepted than
+    /// drafts in general. Under greedy decoding every confidence is 1 and this is just `alpha_position`.
+    /// NaN: no information.
+    pub fn acceptance_at(&self, position: usize, confidence: f32) -> f64 {
+        let alpha = self.alpha(position);
+        match bucket(confidence) {
+            Some(k) if self.any_confidence > 0.0 => (alpha * self.by_confidence[k] / self.any_confidence).clamp(0.0, 1.0),
+            _ => alpha,
+        }
     }
 
     /// Modelled verifier compute for a block of `rows` scored rows, in seconds.
@@ -243,6 +253,7 @@ impl Estimates {
             ew(&mut self.alpha[i], outcome, ACCEPT_GAIN);
             if let Some(k) = round.confidences.get(i).copied().and_then(bucket) {
                 ew(&mut self.by_confidence[k], outcome, ACCEPT_GAIN);
+                ew(&mut self.any_confidence, outcome, ACCEPT_GAIN);
             }
         }
         if let Some(matched) = round.ahead_guess.filter(|_| accepted == round.drafted) {
@@ -382,7 +393,7 @@ impl DraftController {
     /// ending the block here, given the draft's confidence in the tokens drafted so far.
     pub fn keep_drafting(&self, block: &mut BlockOdds, confidence_of_last_drafted: f32) -> bool {
         let e = &self.estimates;
-        block.all_accepted *= e.acceptance_at_confidence(confidence_of_last_drafted);
+        block.all_accepted *= e.acceptance_at(block.drafted, confidence_of_last_drafted);
         block.expected_tokens += block.all_accepted;
         block.drafted = block.drafted.saturating_add(1);
         let (d, overlap) = (self.choice.draft.min(MAX_POSITIONS), self.overlap);
@@ -572,8 +583,9 @@ mod tests {
         for _ in 0..30 {
             e.observe(&RoundObservation { drafted: 3, accepted: 2, confidences: vec![0.95, 0.95, 0.05], ..Default::default() });
         }
-        assert!(e.acceptance_at_confidence(0.05) < 0.05 && e.acceptance_at_confidence(0.95) > 0.95, "{e:?}");
-        let mut ctl = DraftController::new(16, false, Estimates { by_confidence: e.by_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) });
+        assert!(e.acceptance_at(0, 0.05) < 0.05 && e.acceptance_at(0, 0.95) > 0.95, "{e:?}");
+        let (by_confidence, any_confidence) = (e.by_confidence, e.any_confidence);
+        let mut ctl = DraftController::new(16, false, Estimates { by_confidence, any_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) });
         let d = ctl.choose();
         assert_eq!(d, 5);
         assert!(!ctl.keep_drafting(&mut BlockOdds::default(), 0.05));
@@ -586,11 +598,21 @@ mod tests {
     }
 
     #[test]
+    fn greedy_confidences_defer_to_acceptance_by_position() {
+        let mut e = Estimates::default();
+        for _ in 0..40 {
+            // Greedy drafts: q is a point mass, every confidence is 1. Position 0 always accepted, position 1 never.
+            e.observe(&RoundObservation { drafted: 2, accepted: 1, confidences: vec![1.0, 1.0], ..Default::default() });
+        }
+        assert!(e.acceptance_at(0, 1.0) > 0.99 && e.acceptance_at(1, 1.0) < 0.01, "{e:?}");
+    }
+
+    #[test]
     fn tokens_as_confident_as_the_average_run_to_the_chosen_length() {
         for rtt in [0.0, 20.0, 50.0, 100.0, 200.0] {
             for overlap in [false, true] {
                 let mut e = est(0.8, 30.0, rtt, 60.0, 35.0);
-                e.by_confidence = [0.8; BUCKETS];
+                (e.by_confidence, e.any_confidence) = ([1.0; BUCKETS], 1.0);
                 let mut ctl = DraftController::new(8, overlap, e);
                 let d = ctl.choose();
                 let mut block = BlockOdds::default();

@@ -1,13 +1,15 @@
 //! Draft tokens handed over one by one as the draft model draws them.
 
+use std::time::Instant;
+
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::{DraftToken, EngineError};
 
-/// What a drafting engine sends: each token as it is drawn, then how the drafting ended.
+/// What a drafting engine sends: each token with when it was drawn, then how the drafting ended.
 #[derive(Debug)]
 pub enum DraftMessage {
-    Token(DraftToken),
+    Token(DraftToken, Instant),
     End(Result<(), EngineError>),
 }
 
@@ -18,6 +20,8 @@ pub struct DraftStream<'a> {
     /// Tokens still wanted; an end-of-sequence token ends the block early.
     left: usize,
     stop_token_ids: Vec<u32>,
+    /// When the last token handed over was drawn.
+    last_drawn: Option<Instant>,
     /// Whatever must live as long as the drafting does (a lock on the engine it runs on).
     _hold: Option<Box<dyn Send + Sync + 'a>>,
 }
@@ -27,7 +31,7 @@ impl<'a> DraftStream<'a> {
     /// an [`DraftMessage::End`].
     pub fn channel(n: usize, stop_token_ids: Vec<u32>) -> (UnboundedSender<DraftMessage>, Self) {
         let (tx, messages) = unbounded_channel();
-        (tx, Self { messages, left: n, stop_token_ids, _hold: None })
+        (tx, Self { messages, left: n, stop_token_ids, last_drawn: None, _hold: None })
     }
 
     /// Keeps `hold` alive as long as the stream.
@@ -38,8 +42,9 @@ impl<'a> DraftStream<'a> {
     /// Tokens drafted all at once.
     pub fn ready(tokens: Vec<DraftToken>) -> Self {
         let (tx, stream) = Self::channel(tokens.len(), Vec::new());
+        let drawn = Instant::now();
         for token in tokens {
-            let _ = tx.send(DraftMessage::Token(token));
+            let _ = tx.send(DraftMessage::Token(token, drawn));
         }
         let _ = tx.send(DraftMessage::End(Ok(())));
         stream
@@ -51,8 +56,9 @@ impl<'a> DraftStream<'a> {
             return None;
         }
         match self.messages.recv().await {
-            Some(DraftMessage::Token(token)) => {
+            Some(DraftMessage::Token(token, drawn)) => {
                 self.left -= 1;
+                self.last_drawn = Some(drawn);
                 if self.stop_token_ids.contains(&token.token) {
                     self.left = 0;
                 }
@@ -71,6 +77,12 @@ impl<'a> DraftStream<'a> {
                 Some(Err(EngineError::Drafter("the draft engine stopped without finishing the block".into())))
             }
         }
+    }
+
+    /// When the draft model drew the last token handed over: the draft's own pace, whenever the
+    /// receiver got around to reading it.
+    pub fn last_drawn(&self) -> Option<Instant> {
+        self.last_drawn
     }
 
     /// The whole block.

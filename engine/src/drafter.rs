@@ -288,7 +288,7 @@ impl CustomLogitsProcessor for Recorder {
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
         if step < self.n {
             // A closed channel means the stream was dropped: the token is simply not wanted.
-            let _ = self.tokens.send(DraftMessage::Token(DraftToken { token, q }));
+            let _ = self.tokens.send(DraftMessage::Token(DraftToken { token, q }, std::time::Instant::now()));
         }
         force(token)
     }

@@ -107,11 +107,11 @@ pub(crate) struct Block<'a> {
     /// Most block tokens wanted (the guess not counted).
     cap: usize,
     started: Instant,
-    /// From the start to the first token drawn.
+    /// From the start to when the first token was drawn.
     first: Option<Duration>,
     /// What the pacing expects of the block's tokens so far.
     odds: BlockOdds,
-    /// From the start to the last token drawn.
+    /// From the start to when the last token received was drawn.
     pub busy: Duration,
 }
 
@@ -159,7 +159,7 @@ impl<'a> Block<'a> {
         };
         let confidence = token.q.prob(token.token) as f32;
         self.tokens.push(token);
-        self.busy = self.started.elapsed();
+        self.busy = stream.last_drawn().map_or_else(|| self.started.elapsed(), |drawn| drawn.saturating_duration_since(self.started));
         self.first.get_or_insert(self.busy);
         if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, confidence) {
             self.stream = None;
