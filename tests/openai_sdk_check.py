@@ -2,10 +2,11 @@
 
 Checks that non-streamed and streamed answers parse, agree with each other under greedy decoding,
 that include_usage yields a final chunk with no choices and SPADE's usage extension, that
-/v1/models lists the model, and that an unsupported parameter raises BadRequestError naming it.
+/v1/models lists the model, that penalties and logit_bias give the target-only answer, and that an unsupported parameter raises BadRequestError naming it.
 """
 import json
 import sys
+import urllib.request
 
 import openai
 from openai import OpenAI
@@ -37,6 +38,19 @@ assert chunks[-1].usage.completion_tokens == usage.completion_tokens, (chunks[-1
 finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
 assert finishes == [plain.choices[0].finish_reason], finishes
 report["stream"] = {"chunks": len(chunks), "text_equal": True}
+
+# Penalties and a ban through the SDK's own parameters: the banned token never appears, and the
+# answer is the one the same request gives without speculation (spade.draft_len 0).
+tokenize = urllib.request.Request(base_url.removesuffix("/v1") + "/tokenize", method="POST", headers={"content-type": "application/json"},
+                                  data=json.dumps({"prompt": text, "add_special_tokens": False}).encode())
+first_token = json.load(urllib.request.urlopen(tokenize, timeout=60))["tokens"][0]
+penalised = dict(model="spade", messages=messages, temperature=0, max_tokens=24, presence_penalty=0.5, frequency_penalty=0.5,
+                 logit_bias={str(first_token): -100})
+spec = client.chat.completions.create(**penalised).choices[0].message.content
+target_only = client.chat.completions.create(**penalised, extra_body={"spade": {"draft_len": 0}}).choices[0].message.content
+assert spec == target_only, (spec, target_only)
+assert spec != text, "a ban on the answer's first token changed nothing"
+report["penalties"] = {"text": spec, "banned": first_token}
 
 models = client.models.list()
 assert [m.id for m in models.data] == ["spade"], models

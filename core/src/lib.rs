@@ -1,6 +1,7 @@
 //! spade-core: the pure logic of SPADE. No I/O, no models, no HTTP.
 //!
 //! - [`sampling`]: logits -> the explicit distribution a token is drawn from (temperature, top-k/p, min-p).
+//! - [`penalties`]: presence, frequency and repetition penalties and logit bias, from the tokens so far.
 //! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
 //! - [`verify`]: the speculative-sampling rule, general and greedy.
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
@@ -17,6 +18,7 @@ pub mod error;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
+pub mod penalties;
 pub mod protocol;
 pub mod rng;
 pub mod sampling;
@@ -27,6 +29,7 @@ pub mod vllm;
 pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};
 pub use metrics::{constant_time_eq, Histogram};
+pub use penalties::{History, Penalties};
 pub use sampling::{distribution, SamplingError, SamplingParams};
 pub use text::{IncrementalDecoder, StopMatcher, StopStep};
 pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};

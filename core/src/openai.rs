@@ -88,12 +88,15 @@ pub struct ChatCompletionRequest {
     pub top_logprobs: Option<u8>,
     #[serde(default)]
     pub n: Option<u32>,
+    /// Subtracted once from the logit of each token already in the completion. -2 to 2.
     #[serde(default)]
     pub presence_penalty: Option<f32>,
+    /// Subtracted from a token's logit once per occurrence in the completion. -2 to 2.
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias added to its logit, -100 to 100 (-100 bans the token).
     #[serde(default)]
-    #[schema(value_type = Option<Object>)]
+    #[schema(value_type = Option<HashMap<String, f64>>)]
     pub logit_bias: Option<Value>,
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
@@ -112,7 +115,8 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub function_call: Option<Value>,
-    /// Extension (vLLM): refused by name unless 1 (it would change the target's distribution).
+    /// Extension (vLLM's definition): logits of tokens in the prompt or the completion are divided by
+    /// it when positive, multiplied by it otherwise. > 0; 1 = off.
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
     #[serde(default)]

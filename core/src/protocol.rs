@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::dist::{DistError, SparseDist};
+use crate::penalties::Penalties;
 use crate::sampling::SamplingParams;
 use crate::verify::{DraftToken, NextKind};
 
@@ -45,6 +46,11 @@ pub struct VerifyRequest {
     #[serde(default)]
     pub draft: Vec<WireDraftToken>,
     pub sampling: SamplingParams,
+    /// Penalties and logit bias applied to the target's logits before `sampling`, counted over the
+    /// context and the earlier drafts of this block. Omit for none (needs the verifier's
+    /// `penalties` feature).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub penalties: Option<Penalties>,
     /// Seeds the per-position randomness; the same request always gets the same answer.
     #[serde(default)]
     pub seed: u64,
@@ -100,4 +106,11 @@ pub struct ModelInfo {
     pub max_draft: u32,
     /// Most `top_logprobs` one call may ask for.
     pub max_top_logprobs: u8,
+    /// Optional parts of the protocol this verifier implements ([`FEATURE_PENALTIES`]); a gateway
+    /// refuses requests that need one its verifier lacks.
+    #[serde(default)]
+    pub features: Vec<String>,
 }
+
+/// `VerifyRequest::penalties` is honoured.
+pub const FEATURE_PENALTIES: &str = "penalties";

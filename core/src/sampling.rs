@@ -19,6 +19,8 @@ pub enum SamplingError {
     NoFiniteLogit,
     #[error("logit of token {token} is {value}: logits must be finite or -inf")]
     InvalidLogit { token: u32, value: f32 },
+    #[error("`logit_bias` names token {token}, outside the vocabulary of {vocab_size} tokens")]
+    BiasOutOfVocab { token: u32, vocab_size: u32 },
 }
 
 impl SamplingError {
@@ -28,6 +30,8 @@ impl SamplingError {
         match (self, parent) {
             (Self::InvalidParam { name, .. }, None) => Some(name.to_string()),
             (Self::InvalidParam { name, .. }, Some(parent)) => Some(format!("{parent}.{name}")),
+            (Self::BiasOutOfVocab { .. }, None) => Some("logit_bias".into()),
+            (Self::BiasOutOfVocab { .. }, Some(parent)) => Some(format!("{parent}.logit_bias")),
             (_, parent) => parent.map(str::to_string),
         }
     }

@@ -49,6 +49,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             draft_ahead: false,
             sampling,
             draft_sampling: sampling,
+            penalties: None,
             seed: 1,
             stop_token_ids: target.meta().stop_token_ids.clone(),
         };

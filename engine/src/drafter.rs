@@ -23,7 +23,7 @@ use mistralrs::core::{
 use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
-use spade_core::{distribution, DraftToken};
+use spade_core::{distribution, DraftToken, History};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
@@ -259,6 +259,8 @@ struct Recorder {
     start: usize,
     n: usize,
     params: DraftParams,
+    /// The penalties' counts, grown by each token this round draws (None without penalties).
+    history: Option<std::sync::Mutex<History>>,
     /// Where each drawn token goes; closed when its [`DraftStream`] is dropped.
     tokens: UnboundedSender<DraftMessage>,
     /// An end-of-sequence token of the draft model: forced once nobody wants more, so mistral.rs ends
@@ -282,9 +284,16 @@ impl CustomLogitsProcessor for Recorder {
         if let (true, Some(end)) = (self.tokens.is_closed(), self.cancel_with) {
             return force(end);
         }
-        let logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let mut logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let mut history = self.history.as_ref().map(|h| h.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        if let Some(history) = &history {
+            history.apply(&mut logits_vec);
+        }
         let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
+        if let Some(history) = &mut history {
+            history.push(token);
+        }
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
         if step < self.n {
             // A closed channel means the stream was dropped: the token is simply not wanted.
@@ -342,7 +351,9 @@ impl Drafter for MistralDrafter {
         let stop_token_ids = self.meta.stop_token_ids.clone();
         let cancel_with = stop_token_ids.first().copied();
         let (tokens, stream) = DraftStream::channel(n, stop_token_ids);
-        let recorder = Arc::new(Recorder { start: committed.len(), n, params: params.clone(), tokens: tokens.clone(), cancel_with, steps: Default::default() });
+        let history = params.penalties.as_ref().map(|p| std::sync::Mutex::new(p.history(committed)));
+        let recorder =
+            Arc::new(Recorder { start: committed.len(), n, params: params.clone(), history, tokens: tokens.clone(), cancel_with, steps: Default::default() });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         let request = new_request(
             RequestMessage::CompletionTokens(committed.to_vec()),

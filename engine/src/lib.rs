@@ -32,9 +32,11 @@ pub fn set_compute_threads(n: usize) -> Result<(), String> {
 
 /// How the draft samples. Any q is lossless (the verifier corrects for it); a q close to the
 /// target's p is what makes drafts accepted.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct DraftParams {
     pub sampling: spade_core::SamplingParams,
+    /// The target's penalties and bias, applied to q from the same history (None: none).
+    pub penalties: Option<spade_core::Penalties>,
     pub seed: u64,
 }
 

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use spade_core::protocol::TokenLogprob;
-use spade_core::{distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, SamplingParams, SparseDist};
+use spade_core::{distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, Penalties, SamplingParams, SparseDist};
 
 use crate::{EngineError, ScoreSession};
 
@@ -13,10 +13,39 @@ pub struct RoundResult {
     pub outcome: BlockOutcome,
     /// Accepted drafts followed by the correction or bonus token.
     pub committed: Vec<u32>,
-    /// Target log-probabilities (natural log, temperature 1, before any truncation) of the committed
+    /// Target log-probabilities (natural log, temperature 1, before penalties and truncation) of the committed
     /// tokens, with the `top_logprobs` most likely alternatives; empty unless asked for.
     pub logprobs: Vec<TokenLogprob>,
     pub forward_time: Duration,
+}
+
+/// How the target's logits become the distribution every committed token follows.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TargetRule {
+    pub sampling: SamplingParams,
+    /// None when they would change nothing.
+    pub penalties: Option<Penalties>,
+}
+
+impl TargetRule {
+    /// The target's distributions at the block's d+1 positions: position i sees the context and
+    /// drafts `..i` as its history, exactly what target-only decoding would have seen there.
+    fn distributions(&self, logits: &[Vec<f32>], context: &[u32], drafts: &[u32]) -> Result<Vec<SparseDist>, EngineError> {
+        let Some(penalties) = &self.penalties else {
+            return Ok(logits.iter().map(|l| distribution(l, &self.sampling)).collect::<Result<_, _>>()?);
+        };
+        let mut history = penalties.history(context);
+        let mut p = Vec::with_capacity(logits.len());
+        for (i, row) in logits.iter().enumerate() {
+            let mut row = row.clone();
+            history.apply(&mut row);
+            p.push(distribution(&row, &self.sampling)?);
+            if let Some(&token) = drafts.get(i) {
+                history.push(token);
+            }
+        }
+        Ok(p)
+    }
 }
 
 /// Scores `context + drafts` (reusing the session's cache) and applies the speculative-sampling rule
@@ -25,7 +54,7 @@ pub fn verify_round(
     session: &mut dyn ScoreSession,
     context: &[u32],
     drafts: &[DraftToken],
-    sampling: &SamplingParams,
+    rule: &TargetRule,
     seed: u64,
     top_logprobs: Option<usize>,
 ) -> Result<RoundResult, EngineError> {
@@ -39,8 +68,8 @@ pub fn verify_round(
     let started = Instant::now();
     let logits = session.score(&tokens, drafts.len() + 1)?;
     let forward_time = started.elapsed();
-    let p: Vec<SparseDist> = logits.iter().map(|l| distribution(l, sampling)).collect::<Result<_, _>>()?;
-    let outcome = if sampling.is_greedy() {
+    let p = rule.distributions(&logits, context, &draft_tokens)?;
+    let outcome = if rule.sampling.is_greedy() {
         let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
         verify_greedy(&argmax, &draft_tokens)?
     } else {

@@ -10,11 +10,11 @@ use std::time::{Duration, Instant};
 
 use spade_core::draft_control::DraftChoice;
 use spade_core::protocol::TokenLogprob;
-use spade_core::{DraftToken, SamplingParams};
+use spade_core::{DraftToken, Penalties, SamplingParams};
 
 pub use crate::drafting::DraftLength;
 use crate::drafting::{observation, Block, DraftTiming, Pacing};
-use crate::round::verify_round;
+use crate::round::{verify_round, TargetRule};
 use crate::{DraftParams, Drafter, EngineError, ScoreSession};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
@@ -354,7 +354,7 @@ impl Loop<'_> {
 /// verifier server runs).
 pub struct LocalVerifier<'a> {
     pub session: &'a mut dyn ScoreSession,
-    pub sampling: SamplingParams,
+    pub rule: TargetRule,
     pub seed: u64,
     pub top_logprobs: Option<usize>,
 }
@@ -363,7 +363,7 @@ pub struct LocalVerifier<'a> {
 impl BlockVerifier for LocalVerifier<'_> {
     async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
         let round =
-            verify_round(self.session, context, drafts, &self.sampling, self.seed, self.top_logprobs).map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
+            verify_round(self.session, context, drafts, &self.rule, self.seed, self.top_logprobs).map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
         Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
     }
 }
@@ -388,6 +388,8 @@ pub struct GenerateParams {
     pub draft_ahead: bool,
     pub sampling: SamplingParams,
     pub draft_sampling: SamplingParams,
+    /// Applied to both the target's and the draft's logits.
+    pub penalties: Option<Penalties>,
     pub seed: u64,
     pub stop_token_ids: Vec<u32>,
 }
@@ -409,12 +411,13 @@ pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSessi
         max_new_tokens: params.max_new_tokens,
         draft_len: DraftLength::Fixed(params.draft_len),
         draft_ahead: params.draft_ahead,
-        draft: DraftParams { sampling: params.draft_sampling, seed: params.seed },
+        draft: DraftParams { sampling: params.draft_sampling, penalties: params.penalties.clone(), seed: params.seed },
         stop_token_ids: params.stop_token_ids.clone(),
         when_unreachable: WhenUnreachable::Fail,
         start_degraded: false,
     };
-    let mut verifier = LocalVerifier { session: target, sampling: params.sampling, seed: params.seed, top_logprobs: None };
+    let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
+    let mut verifier = LocalVerifier { session: target, rule, seed: params.seed, top_logprobs: None };
     let mut tokens = Collect::default();
     let end = run(drafter, &mut verifier, prompt, &loop_params, &mut tokens).await;
     if let Some(drafter) = drafter {
@@ -488,7 +491,7 @@ mod tests {
     }
 
     fn params(max_new_tokens: usize, draft_len: usize, when_unreachable: WhenUnreachable) -> LoopParams {
-        let draft = DraftParams { sampling: SamplingParams::greedy(), seed: 0 };
+        let draft = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
         LoopParams {
             max_new_tokens,
             draft_len: DraftLength::Fixed(draft_len),

@@ -28,7 +28,7 @@ async fn warm_vs_cold(warm: &MistralDrafter, cold: &MistralDrafter, rounds: usiz
     let target = scorer(TINY);
     let mut session = target.new_session();
     let sampling = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
-    let params = DraftParams { sampling, seed: 3 };
+    let params = DraftParams { sampling, seed: 3, ..DraftParams::default() };
     let mut seq = warm.encode_chat(&[(Role::User, PROMPTS[0].into())]).await.unwrap();
     warm.begin_generation(true).await;
     let (mut max_kl, mut after_full, mut prev_full) = (0.0f64, 0, false);
@@ -77,7 +77,7 @@ async fn all_accepted_rounds_draft_like_a_cold_engine() {
 
 /// Drafting `rounds` rounds of 4 from `prompt`, every draft accepted plus one more token: the time.
 async fn draft_run(own: &MistralDrafter, prompt: &[u32], rounds: usize) -> (std::time::Duration, Vec<u32>) {
-    let params = DraftParams { sampling: SamplingParams::greedy(), seed: 0 };
+    let params = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
     let started = std::time::Instant::now();
     own.begin_generation(false).await;
     let mut seq = prompt.to_vec();

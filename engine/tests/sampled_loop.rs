@@ -1,17 +1,20 @@
 //! The loop the gateway runs is lossless under sampling, on a real draft and target: the first drafted
-//! position's committed token is distributed exactly as the target's p (chi-square, fixed seeds).
+//! position's committed token is distributed exactly as the target's p (chi-square, fixed seeds),
+//! without and with penalties and logit bias.
 //!
 //! Token 1 comes from the empty first block (the verifier alone); token 2 is the first position of a
 //! drafted block: an accepted draft or a correction. Conditioned on token 1 being its most likely value,
 //! token 2 must follow p(. | prompt, token 1). The draft samples hotter than the target, so q differs
-//! from p and both acceptances and corrections occur.
+//! from p and both acceptances and corrections occur. Under penalties, p at token 2 is the target's
+//! logits penalised with token 1 in the completion, which is what target-only decoding would sample.
 
 mod common;
 
 use common::*;
 use spade_core::openai::Role;
-use spade_core::{distribution, SamplingParams};
+use spade_core::{distribution, Penalties, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
+use spade_engine::round::TargetRule;
 use spade_engine::speculative::{self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable};
 use spade_engine::DraftParams;
 use spade_engine::{Drafter, Scorer};
@@ -21,6 +24,17 @@ const SAMPLES: u64 = 700;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_tokens_follow_the_targets_distribution() {
+    second_token_follows_p(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafted_tokens_follow_the_penalised_targets_distribution() {
+    let penalties = Penalties { presence_penalty: 0.7, frequency_penalty: 0.5, repetition_penalty: 1.3, ..Penalties::default() };
+    second_token_follows_p(Some(penalties)).await;
+}
+
+/// `penalties` (without `prompt_len` or bias: both are set here) apply to the target and the draft.
+async fn second_token_follows_p(penalties: Option<Penalties>) {
     let target = scorer(TINY);
     let draft = drafter(TINY, DrafterOptions::default()).await;
     let prompt = draft.encode_chat(&[(Role::User, "Name a colour.".to_string())]).await.unwrap();
@@ -28,11 +42,31 @@ async fn drafted_tokens_follow_the_targets_distribution() {
     let draft_sampling = SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
 
     let mut session = target.new_session();
-    let first = distribution(&session.score(&prompt, 1).unwrap()[0], &sampling).unwrap();
-    let t1 = first.argmax();
+    let first_logits = session.score(&prompt, 1).unwrap().remove(0);
+    // Bias the raw favourite at token 2 down and a runner-up at token 1 up: both change the answer.
+    let penalties = penalties.map(|p| {
+        let second_raw = argmax(&session.score(&[prompt.clone(), vec![argmax(&first_logits) as u32]].concat(), 1).unwrap()[0]) as u32;
+        let runner_up = distribution(&first_logits, &SamplingParams { top_k: 2, ..sampling }).unwrap().entries().iter().map(|e| e.0).max().unwrap();
+        Penalties { prompt_len: prompt.len() as u32, logit_bias: [(second_raw, -1.5), (runner_up, 1.0)].into(), ..p }
+    });
+    let p_at = |context: &[u32], logits: &[f32]| -> SparseDist {
+        let mut logits = logits.to_vec();
+        if let Some(p) = &penalties {
+            p.history(context).apply(&mut logits);
+        }
+        distribution(&logits, &sampling).unwrap()
+    };
+    let t1 = p_at(&prompt, &first_logits).argmax();
     let mut context = prompt.clone();
     context.push(t1);
-    let p2 = distribution(&session.score(&context, 1).unwrap()[0], &sampling).unwrap();
+    let second_logits = session.score(&context, 1).unwrap().remove(0);
+    let p2 = p_at(&context, &second_logits);
+    if penalties.is_some() {
+        // The test must be able to tell penalties applied from penalties ignored.
+        let raw = distribution(&second_logits, &sampling).unwrap();
+        let distance: f64 = (0..target.meta().vocab_size).map(|t| (p2.prob(t) - raw.prob(t)).abs()).sum::<f64>() / 2.0;
+        assert!(distance > 0.1, "penalties barely change p at token 2 (total variation {distance:.3})");
+    }
 
     let (mut counts, mut kept, mut drafted, mut accepted) = (std::collections::BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
     for seed in 0..SAMPLES {
@@ -40,14 +74,15 @@ async fn drafted_tokens_follow_the_targets_distribution() {
             max_new_tokens: 4,
             draft_len: DraftLength::Fixed(3),
             draft_ahead: true,
-            draft: DraftParams { sampling: draft_sampling, seed },
+            draft: DraftParams { sampling: draft_sampling, penalties: penalties.clone(), seed },
             stop_token_ids: Vec::new(),
             when_unreachable: WhenUnreachable::Fail,
             start_degraded: false,
         };
         // One scorer session and the draft's prefix cache are reused across samples: both only ever
         // serve the prompt's KV rows, and each sample's randomness is keyed by its own seed.
-        let mut verifier = LocalVerifier { session: session.as_mut(), sampling, seed, top_logprobs: None };
+        let rule = TargetRule { sampling, penalties: penalties.clone() };
+        let mut verifier = LocalVerifier { session: session.as_mut(), rule, seed, top_logprobs: None };
         let mut tokens = Collect::default();
         draft.begin_generation(false).await;
         let end = speculative::run(Some(&draft as &dyn Drafter), &mut verifier, &prompt, &params, &mut tokens).await.unwrap();
@@ -69,7 +104,10 @@ async fn drafted_tokens_follow_the_targets_distribution() {
         stat += (observed - expected).powi(2) / expected;
     }
     let df = p2.entries().len() - 1;
-    println!("{kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})", critical(df));
+    println!(
+        "penalties {penalties:?}: {kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})",
+        critical(df)
+    );
     assert!(kept >= 150, "too few samples with the likely first token: {kept}");
     assert!(accepted > 0 && accepted < drafted, "both acceptances and rejections should occur: {accepted} of {drafted}");
     assert!(stat < critical(df), "token 2 is not distributed as the target's p: chi-square {stat:.1}; counts {counts:?}; p {:?}", p2.entries());

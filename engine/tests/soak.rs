@@ -18,7 +18,7 @@ fn rss_mb() -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_memory_and_threads_stay_bounded() {
     let own = drafter(TINY, DrafterOptions { cache_budget_bytes: None, ..DrafterOptions::default() }).await;
-    let params = DraftParams { sampling: SamplingParams { temperature: 0.8, ..SamplingParams::default() }, seed: 1 };
+    let params = DraftParams { sampling: SamplingParams { temperature: 0.8, ..SamplingParams::default() }, seed: 1, ..DraftParams::default() };
     let mut samples = Vec::new();
     let mut seq = Vec::new();
     let started = std::time::Instant::now();

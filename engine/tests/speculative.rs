@@ -5,14 +5,23 @@ mod common;
 
 use common::*;
 use rand::{Rng, SeedableRng};
-use spade_core::{DraftToken, SamplingParams, SparseDist};
+use spade_core::{DraftToken, Penalties, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
 use spade_engine::DraftParams;
 use spade_engine::{Drafter, EngineError, ModelMeta, Role, Scorer};
 
 fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, meta: &ModelMeta) -> GenerateParams {
-    GenerateParams { max_new_tokens, draft_len, draft_ahead: false, sampling, draft_sampling: sampling, seed: 7, stop_token_ids: meta.stop_token_ids.clone() }
+    GenerateParams {
+        max_new_tokens,
+        draft_len,
+        draft_ahead: false,
+        sampling,
+        draft_sampling: sampling,
+        penalties: None,
+        seed: 7,
+        stop_token_ids: meta.stop_token_ids.clone(),
+    }
 }
 
 async fn run(drafter: Option<&dyn Drafter>, scorer: &dyn Scorer, prompt: &[u32], p: &GenerateParams) -> Generation {
@@ -64,6 +73,53 @@ async fn greedy_qwen_pair_is_identical_to_target_only() {
     println!("qwen pair: {tokens} tokens, {calls_spec} target calls speculative vs {calls_target} target-only; {ahead_used} blocks drafted ahead sent");
     assert!(calls_spec < calls_target, "the draft must save target calls");
     assert!(ahead_used > 0, "some blocks drafted ahead should be confirmed and sent");
+}
+
+/// Greedy decoding step by step, outside the loop: score the whole sequence, penalise with its
+/// history, take the argmax. What "target-only under penalties" means.
+fn stepwise_reference(scorer: &dyn Scorer, prompt: &[u32], penalties: &Penalties, n: usize) -> Vec<u32> {
+    let mut session = scorer.new_session();
+    let mut sequence = prompt.to_vec();
+    for _ in 0..n {
+        let mut logits = session.score(&sequence, 1).unwrap().remove(0);
+        penalties.history(&sequence).apply(&mut logits);
+        let token = argmax(&logits) as u32;
+        sequence.push(token);
+        if scorer.meta().stop_token_ids.contains(&token) {
+            break;
+        }
+    }
+    sequence.split_off(prompt.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_qwen_pair_with_penalties_and_bias_is_identical_to_target_only() {
+    let target = scorer(TARGET);
+    let draft = drafter(DRAFT, DrafterOptions::default()).await;
+    let mut changed = 0;
+    for (i, prompt) in PROMPTS[..4].iter().enumerate() {
+        let ids = draft.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
+        let plain = run(None, &target, &ids, &params(0, 24, SamplingParams::greedy(), target.meta())).await;
+        // Ban the unpenalised answer's second token, so the bias visibly acts.
+        let penalties = Penalties {
+            presence_penalty: 0.4,
+            frequency_penalty: 0.6,
+            repetition_penalty: 1.15,
+            logit_bias: [(plain.tokens[1], -100.0)].into(),
+            prompt_len: ids.len() as u32,
+        };
+        let with = |d| GenerateParams { penalties: Some(penalties.clone()), draft_ahead: d > 0, ..params(d, 24, SamplingParams::greedy(), target.meta()) };
+        let reference = run(None, &target, &ids, &with(0)).await;
+        if i == 0 {
+            assert_eq!(reference.tokens, stepwise_reference(&target, &ids, &penalties, 24), "target-only under penalties, step by step");
+        }
+        let spec = run(Some(&draft), &target, &ids, &with(4)).await;
+        assert_eq!(spec.tokens, reference.tokens, "prompt {prompt:?}");
+        assert!(!reference.tokens.contains(&plain.tokens[1]), "a token biased by -100 was emitted");
+        changed += usize::from(reference.tokens != plain.tokens);
+        println!("{prompt:?}: {} of {} drafts accepted under penalties", spec.stats.accepted, spec.stats.drafted);
+    }
+    assert_eq!(changed, 4, "penalties and bias should change every answer");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

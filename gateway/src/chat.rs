@@ -3,11 +3,14 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use rand::Rng;
+use serde_json::Value;
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, DraftLen, MessageContent, Role, StopSequences};
-use spade_core::{ErrorBody, SamplingParams};
+use spade_core::protocol::FEATURE_PENALTIES;
+use spade_core::{ErrorBody, Penalties, SamplingParams};
 use spade_engine::speculative::DraftLength;
 use spade_http::{Json, RequestError};
+use std::collections::BTreeMap;
 use tokio::sync::mpsc;
 
 use crate::config::OfflineFallback;
@@ -33,6 +36,8 @@ pub struct ValidChat {
     pub top_logprobs: Option<u8>,
     /// `spade.draft_len`, where the request sets it.
     pub draft_len: Option<DraftLen>,
+    /// Checked against the vocabulary, and given the prompt's length, once the prompt is encoded.
+    pub penalties: Penalties,
 }
 
 pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
@@ -79,21 +84,6 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     if req.n.is_some_and(|n| n != 1) {
         return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
     }
-    if req.presence_penalty.is_some_and(|p| p != 0.0) {
-        return Err(refuse(
-            "presence_penalty",
-            "presence_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly",
-        ));
-    }
-    if req.frequency_penalty.is_some_and(|p| p != 0.0) {
-        return Err(refuse(
-            "frequency_penalty",
-            "frequency_penalty is not supported: penalties would change the target's distribution, which SPADE reproduces exactly",
-        ));
-    }
-    if req.logit_bias.as_ref().is_some_and(|b| !b.is_null() && b.as_object().is_none_or(|o| !o.is_empty())) {
-        return Err(refuse("logit_bias", "logit_bias is not supported"));
-    }
     if let Some(format) = req.response_format.as_ref().filter(|f| !f.is_null()) {
         if format.get("type").and_then(|t| t.as_str()) != Some("text") {
             return Err(refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)"));
@@ -111,14 +101,17 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     if req.function_call.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
         return Err(refuse("function_call", "function_call is not supported (only \"none\")"));
     }
-    if req.repetition_penalty.is_some_and(|p| p != 1.0) {
-        return Err(refuse(
-            "repetition_penalty",
-            "repetition_penalty is not supported: it would change the target's distribution, which SPADE reproduces exactly",
-        ));
-    }
+    let penalties = Penalties {
+        presence_penalty: req.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: req.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: req.repetition_penalty.unwrap_or(1.0),
+        logit_bias: logit_bias(req.logit_bias.as_ref())?,
+        prompt_len: 0,
+    };
     let sampling = SamplingParams::with_defaults(req.temperature, req.top_p, req.top_k, req.min_p);
     sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None })?;
+    // Out-of-vocabulary biases are checked once the model is known (`prepare`).
+    penalties.validate(u32::MAX).map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None })?;
     let (name, max) = match (req.max_completion_tokens, req.max_tokens) {
         (Some(m), _) => ("max_completion_tokens", Some(m)),
         (None, m) => ("max_tokens", m),
@@ -158,7 +151,23 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         include_usage: req.stream_options.is_some_and(|o| o.include_usage),
         top_logprobs,
         draft_len: req.spade.and_then(|s| s.draft_len),
+        penalties,
     })
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to numbers, or null.
+fn logit_bias(value: Option<&Value>) -> Result<BTreeMap<u32, f32>, ApiError> {
+    let Some(object) = value.filter(|v| !v.is_null()) else {
+        return Ok(BTreeMap::new());
+    };
+    let object = object.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "logit_bias must be an object mapping token ids to biases"))?;
+    let mut bias = BTreeMap::new();
+    for (key, value) in object {
+        let token = key.parse::<u32>().map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias key {key:?} is not a token id")))?;
+        let value = value.as_f64().ok_or_else(|| ApiError::invalid("logit_bias", format!("logit_bias[{key:?}] must be a number")))?;
+        bias.insert(token, value as f32);
+    }
+    Ok(bias)
 }
 
 /// Create a chat completion.
@@ -209,10 +218,19 @@ pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<Cha
 async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidChat, Job), ApiError> {
     let valid = validate(req)?;
     let model = state.model()?.clone();
+    valid.penalties.validate(model.meta().vocab_size).map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None })?;
     let prompt = model.encode_chat(&valid.messages).await?;
     let max_draft_len = state.settings.max_draft_len;
     let (max_context, max_draft, verify) = match state.verifier_info().await {
-        Ok(info) => (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true),
+        Ok(info) => {
+            if !valid.penalties.is_noop() && !info.features.iter().any(|f| f == FEATURE_PENALTIES) {
+                return Err(refuse(
+                    "logit_bias",
+                    "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it",
+                ));
+            }
+            (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true)
+        }
         Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
             (model.meta().max_context as usize, max_draft_len, false)
@@ -241,10 +259,13 @@ async fn prepare(state: &AppState, req: ChatCompletionRequest) -> Result<(ValidC
     if let Some(m) = valid.max_tokens.filter(|&m| m > room) {
         return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
     }
+    let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..valid.penalties.clone() }).filter(|p| !p.is_noop());
     let job = Job {
         prompt,
+        penalties,
         max_tokens: valid.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
         sampling: valid.sampling,
+
         seed: valid.seed.unwrap_or_else(|| rand::rng().random()),
         stops: valid.stops.clone(),
         top_logprobs: valid.top_logprobs,

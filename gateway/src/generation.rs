@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
-use spade_core::{IncrementalDecoder, SamplingParams, StopMatcher};
+use spade_core::{IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
+use spade_engine::round::TargetRule;
 use spade_engine::speculative::{self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
 use spade_engine::{DraftParams, EdgeModel, EngineError};
 use tokio::sync::mpsc;
@@ -27,6 +28,8 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub max_tokens: usize,
     pub sampling: SamplingParams,
+    /// Applied to the target's and the draft's logits; None when they would change nothing.
+    pub penalties: Option<Penalties>,
     pub seed: u64,
     pub stops: Vec<String>,
     /// Some(n): return each token's logprob with n alternatives.
@@ -79,7 +82,7 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         max_new_tokens: job.max_tokens,
         draft_len: job.draft_len.clone(),
         draft_ahead: state.settings.draft_ahead,
-        draft: DraftParams { sampling: job.sampling.for_draft(state.settings.draft_top_k), seed: job.seed },
+        draft: DraftParams { sampling: job.sampling.for_draft(state.settings.draft_top_k), penalties: job.penalties.clone(), seed: job.seed },
         stop_token_ids: model.meta().stop_token_ids.clone(),
         when_unreachable: match state.settings.fallback {
             OfflineFallback::Draft => WhenUnreachable::DraftAlone,
@@ -87,7 +90,8 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         },
         start_degraded: !job.verify,
     };
-    let mut remote = RemoteSession::new(state.clone(), job.sampling, job.seed, job.top_logprobs);
+    let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
+    let mut remote = RemoteSession::new(state.clone(), rule, job.seed, job.top_logprobs);
     let mut output = Output::new(model.clone(), &job.stops, events, started);
     let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
         LoopError::Engine(e) => ApiError::from(e),

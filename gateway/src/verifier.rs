@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use reqwest::StatusCode;
 use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken};
-use spade_core::{DraftToken, SamplingParams};
+use spade_core::DraftToken;
+use spade_engine::round::TargetRule;
 use spade_engine::speculative::{BlockVerifier, Verified, VerifyFailure};
 
 use crate::config::Config;
@@ -165,7 +166,7 @@ fn describe(e: &reqwest::Error) -> String {
 pub struct RemoteSession {
     state: AppState,
     id: String,
-    sampling: SamplingParams,
+    rule: TargetRule,
     seed: u64,
     top_logprobs: Option<u8>,
     /// Tokens of the context the verifier's session holds; 0 sends the full context.
@@ -177,9 +178,9 @@ pub struct RemoteSession {
 }
 
 impl RemoteSession {
-    pub fn new(state: AppState, sampling: SamplingParams, seed: u64, top_logprobs: Option<u8>) -> Self {
+    pub fn new(state: AppState, rule: TargetRule, seed: u64, top_logprobs: Option<u8>) -> Self {
         let id = format!("gw-{:032x}", rand::rng().random::<u128>());
-        Self { state, id, sampling, seed, top_logprobs, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
+        Self { state, id, rule, seed, top_logprobs, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
     }
 }
 
@@ -192,7 +193,8 @@ impl BlockVerifier for RemoteSession {
                 context: context[self.synced..].to_vec(),
                 context_start: self.synced as u32,
                 draft: drafts.iter().map(WireDraftToken::from_draft).collect(),
-                sampling: self.sampling,
+                sampling: self.rule.sampling,
+                penalties: self.rule.penalties.clone(),
                 seed: self.seed,
                 top_logprobs: self.top_logprobs,
             };

@@ -68,6 +68,30 @@ async fn streamed_and_plain_answers_equal_target_only_greedy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn penalties_and_bias_over_http_equal_target_only_greedy_under_them() {
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
+    // " the" (a frequent word) banned, and repetition discouraged.
+    let the =
+        reqwest::Client::new().post(format!("{}/tokenize", gateway.url)).json(&json!({"prompt": " the", "add_special_tokens": false})).send().await.unwrap();
+    let bias = the.json::<Value>().await.unwrap()["tokens"][0].as_u64().unwrap() as u32;
+    let penalties =
+        spade_core::Penalties { presence_penalty: 0.6, frequency_penalty: 0.4, repetition_penalty: 1.2, logit_bias: [(bias, -100.0)].into(), prompt_len: 0 };
+    let expected = reference_with(&PROMPTS, MAX_TOKENS, Some(penalties)).await;
+    assert_ne!(expected, reference(&PROMPTS, MAX_TOKENS).await, "the penalties should change the answers");
+    let extra = json!({"presence_penalty": 0.6, "frequency_penalty": 0.4, "repetition_penalty": 1.2, "logit_bias": {bias.to_string(): -100}});
+    for (prompt, expected) in PROMPTS.iter().zip(&expected) {
+        let plain = complete(&gateway.url, &req(prompt, extra.clone())).await;
+        assert_eq!(content(&plain), expected, "non-streamed: {prompt}");
+        let mut streamed_extra = extra.clone();
+        streamed_extra["stream"] = json!(true);
+        streamed_extra["spade"] = json!({"draft_len": "auto"});
+        let streamed = stream(&gateway.url, &req(prompt, streamed_extra)).await;
+        assert_eq!(&streamed.text, expected, "streamed, auto: {prompt}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_stops_verify_calls() {
     let verifier = start_verifier().await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "1"]).await;

@@ -174,21 +174,44 @@ async fn lost_sessions_are_resent_and_the_output_is_unchanged() {
 }
 
 #[tokio::test]
+async fn penalties_and_bias_reach_the_verifier_and_drafting_keeps_its_answer() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
+    // The script's first byte banned: greedy decoding takes the lowest id of the tied rest (0),
+    // then the script goes on from its second position.
+    let ban = u32::from(SCRIPT.as_bytes()[0]).to_string();
+    let mut answers = Vec::new();
+    for draft_len in [0, 3] {
+        let body = hello(json!({"temperature": 0, "logit_bias": {ban.clone(): -100}, "presence_penalty": 0.5, "spade": {"draft_len": draft_len}}));
+        let (status, _, text) = chat(&gateway.url, body).await;
+        assert_eq!(status, 200, "{text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        answers.push(v["choices"][0]["message"]["content"].as_str().unwrap().to_string());
+    }
+    assert_eq!(answers[0], format!("\0{}", &SCRIPT[1..]));
+    assert_eq!(answers[1], answers[0], "speculative and target-only answers differ under a bias");
+}
+
+#[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
     let cases = [
         (json!({"messages": []}), "messages"),
         (hello(json!({"n": 2})), "n"),
-        (hello(json!({"presence_penalty": 0.5})), "presence_penalty"),
-        (hello(json!({"frequency_penalty": 1})), "frequency_penalty"),
-        (hello(json!({"logit_bias": {"50": 10}})), "logit_bias"),
+        (hello(json!({"presence_penalty": 2.5})), "presence_penalty"),
+        (hello(json!({"frequency_penalty": -3})), "frequency_penalty"),
+        (hello(json!({"repetition_penalty": 0})), "repetition_penalty"),
+        (hello(json!({"logit_bias": {"x": 10}})), "logit_bias"),
+        (hello(json!({"logit_bias": {"50": 101}})), "logit_bias"),
+        (hello(json!({"logit_bias": {"50": "high"}})), "logit_bias"),
+        (hello(json!({"logit_bias": {"257": 1}})), "logit_bias"),
+        (hello(json!({"logit_bias": [1, 2]})), "logit_bias"),
         (hello(json!({"response_format": {"type": "json_object"}})), "response_format"),
         (hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
         (hello(json!({"tool_choice": "auto"})), "tool_choice"),
         (hello(json!({"functions": [{"name": "f", "parameters": {}}]})), "functions"),
         (hello(json!({"function_call": "auto"})), "function_call"),
-        (hello(json!({"repetition_penalty": 1.3})), "repetition_penalty"),
         (hello(json!({"temperature": 2.5})), "temperature"),
         (hello(json!({"top_p": 0})), "top_p"),
         (hello(json!({"max_tokens": 0})), "max_tokens"),

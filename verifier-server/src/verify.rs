@@ -5,8 +5,8 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
-use spade_core::{DraftToken, ErrorBody, SamplingParams};
-use spade_engine::round::verify_round;
+use spade_core::{DraftToken, ErrorBody};
+use spade_engine::round::{verify_round, TargetRule};
 use spade_engine::ModelMeta;
 use spade_http::{Json, RequestError};
 use tokio::sync::Mutex as AsyncMutex;
@@ -21,13 +21,16 @@ struct ValidVerify {
     context: Vec<u32>,
     context_start: usize,
     drafts: Vec<DraftToken>,
-    sampling: SamplingParams,
+    rule: TargetRule,
     seed: u64,
     top_logprobs: Option<usize>,
 }
 
 fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<ValidVerify, ApiError> {
     req.sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(Some("sampling")), code: None })?;
+    if let Some(penalties) = &req.penalties {
+        penalties.validate(meta.vocab_size).map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(Some("penalties")), code: None })?;
+    }
     if let Some(id) = &req.session_id {
         if id.is_empty() || id.len() > limits.max_session_id_len {
             return Err(ApiError::invalid("session_id", format!("session_id must be 1 to {} bytes", limits.max_session_id_len)));
@@ -73,7 +76,7 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
         context: req.context,
         context_start: req.context_start as usize,
         drafts,
-        sampling: req.sampling,
+        rule: TargetRule { sampling: req.sampling, penalties: req.penalties.filter(|p| !p.is_noop()) },
         seed: req.seed,
         top_logprobs: req.top_logprobs.map(usize::from),
     })
@@ -130,10 +133,10 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let mut context = guard.committed[..valid.context_start].to_vec();
     context.extend_from_slice(&valid.context);
 
-    let ValidVerify { drafts, sampling, seed, top_logprobs, session_id, .. } = valid;
+    let ValidVerify { drafts, rule, seed, top_logprobs, session_id, .. } = valid;
     let drafted = drafts.len();
     let (mut guard, context, result) = tokio::task::spawn_blocking(move || {
-        let result = verify_round(guard.score.as_mut(), &context, &drafts, &sampling, seed, top_logprobs);
+        let result = verify_round(guard.score.as_mut(), &context, &drafts, &rule, seed, top_logprobs);
         (guard, context, result)
     })
     .await

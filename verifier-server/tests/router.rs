@@ -112,6 +112,35 @@ async fn greedy_block_is_judged_and_repeatable() {
 }
 
 #[tokio::test]
+async fn penalties_count_earlier_drafts_as_target_only_decoding_counts_committed_tokens() {
+    let st = state(&[], true);
+    // From 0 the target walks the cycle 1, 8, 25, 16, 17, 24, 9, 0 and back to 1. With a presence
+    // penalty of 2 on the completion, 1 (and 0) lose to 2 after the cycle: the peak is 1 above its neighbours.
+    let cycle = [1, 8, 25, 16, 17, 24, 9, 0];
+    let penalties = json!({"presence_penalty": 2.0, "prompt_len": 1});
+    let mut block = greedy(&[0], &cycle);
+    block["penalties"] = penalties.clone();
+    let (s, v) = verify(&st, block).await;
+    assert_eq!(s, StatusCode::OK, "{v}");
+    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(8), Some(2), Some("bonus")));
+    let mut one_by_one = greedy(&[[0].as_slice(), &cycle].concat(), &[]);
+    one_by_one["penalties"] = penalties;
+    assert_eq!(verify(&st, one_by_one).await.1["next_token"], 2);
+    assert_eq!(verify(&st, greedy(&[0], &cycle)).await.1["next_token"], 1, "without penalties the cycle goes on");
+    // A bias moves the argmax; ids outside the vocabulary and bad values are named.
+    let mut biased = greedy(&[3, 1], &[]);
+    biased["penalties"] = json!({"logit_bias": {"9": 1.5}});
+    assert_eq!(verify(&st, biased).await.1["next_token"], 9);
+    for (penalties, param) in [(json!({"logit_bias": {"32": 1}}), "penalties.logit_bias"), (json!({"frequency_penalty": 9}), "penalties.frequency_penalty")] {
+        let mut body = greedy(&[1], &[]);
+        body["penalties"] = penalties;
+        let (s, v) = verify(&st, body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST);
+        assert_error(&v, "invalid_request_error", Some(param), None);
+    }
+}
+
+#[tokio::test]
 async fn sampled_calls_are_deterministic_per_seed() {
     let st = state(&[], true);
     let body = json!({
@@ -187,6 +216,7 @@ async fn authentication_is_required_except_for_health() {
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
     // The limits a gateway must respect, so it can check its settings before it is ready.
     assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
+    assert_eq!(v["features"], json!(["penalties"]));
     let (_, v, _) = call(&state(&["--max-draft", "2"], true), "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!(v["max_draft"].as_u64(), Some(2));
 }

@@ -129,6 +129,11 @@ pub async fn stream(url: &str, body: &Value) -> Streamed {
 
 /// Target-only greedy decoding in-process, through the same chat template and tokenizer.
 pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
+    reference_with(prompts, max_tokens, None).await
+}
+
+/// [`reference`] under penalties and logit bias (their `prompt_len` is set per prompt).
+pub async fn reference_with(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>) -> Vec<String> {
     let source = ModelSource::Local(tiny());
     let edge = MistralDrafter::load(&source, Default::default()).await.unwrap();
     let scorer = CandleScorer::load(&tiny()).unwrap();
@@ -141,6 +146,7 @@ pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
             draft_ahead: false,
             sampling: spade_core::SamplingParams::greedy(),
             draft_sampling: spade_core::SamplingParams::greedy(),
+            penalties: penalties.clone().map(|p| spade_core::Penalties { prompt_len: ids.len() as u32, ..p }),
             seed: 0,
             stop_token_ids: scorer.meta().stop_token_ids.clone(),
         };
