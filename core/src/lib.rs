@@ -8,7 +8,7 @@
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
-//! - [`metrics`]: Prometheus rendering and the constant-time secret comparison both servers use.
+//! - [`metrics`]: Prometheus rendering both servers use.
 //! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
 //!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
 
@@ -28,7 +28,7 @@ pub mod vllm;
 
 pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};
-pub use metrics::{constant_time_eq, Histogram};
+pub use metrics::Histogram;
 pub use penalties::{History, Penalties};
 pub use sampling::{distribution, SamplingError, SamplingParams};
 pub use text::{IncrementalDecoder, StopMatcher, StopStep};

@@ -54,17 +54,6 @@ pub fn render_labeled(out: &mut String, kind: &str, name: &str, help: &str, labe
     }
 }
 
-/// Compares every byte of the longer input whatever the contents, so the time taken says nothing
-/// about how much of a secret was right.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let n = a.len().max(b.len());
-    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
-    for i in 0..n {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0);
-    }
-    std::hint::black_box(diff) == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,16 +70,5 @@ mod tests {
         assert!(out.contains("x_seconds_bucket{le=\"1\"} 3\n"));
         assert!(out.contains("x_seconds_bucket{le=\"+Inf\"} 4\n"));
         assert!(out.contains("x_seconds_count 4\n"));
-    }
-
-    #[test]
-    fn compares_exactly() {
-        assert!(constant_time_eq(b"secret", b"secret"));
-        assert!(!constant_time_eq(b"secret", b"secreT"));
-        assert!(!constant_time_eq(b"secret", b"secret2"));
-        assert!(!constant_time_eq(b"", b"x"));
-        assert!(constant_time_eq(b"", b""));
-        // Lengths differing by a multiple of 256 must not compare equal.
-        assert!(!constant_time_eq(&[0u8; 256], b""));
     }
 }

@@ -33,12 +33,17 @@ impl ModelSource {
     }
 
     /// A local file for this source: the path itself, or the hub file downloaded into (or found in)
-    /// the Hugging Face cache. Blocking; call from a blocking context.
+    /// the Hugging Face cache. Honours `HF_HOME` (the cache), `HF_ENDPOINT` (a mirror) and `HF_TOKEN`
+    /// (else the cache's token file), as Hugging Face's own tools do. Blocking; call from a blocking context.
     pub fn resolve(&self) -> Result<PathBuf, EngineError> {
         match self {
             Self::Local(p) => Ok(p.clone()),
             Self::Hub { repo, file } => {
-                let api = hf_hub::api::sync::Api::new().map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))?;
+                let mut builder = hf_hub::api::sync::ApiBuilder::from_env();
+                if let Ok(token) = std::env::var("HF_TOKEN") {
+                    builder = builder.with_token(Some(token));
+                }
+                let api = builder.build().map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))?;
                 api.model(repo.clone()).get(file).map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))
             }
         }

@@ -94,6 +94,11 @@ pub struct Config {
     /// Seconds between SSE keep-alive comments on a quiet stream.
     #[arg(long, env = "SPADE_GATEWAY_KEEP_ALIVE_SECS", default_value_t = 10)]
     pub keep_alive_secs: u64,
+
+    /// Browser origins allowed to call the gateway (CORS), comma-separated, e.g.
+    /// `https://app.example.com`; `*` allows any. None by default: browsers get no CORS headers.
+    #[arg(long, env = "SPADE_GATEWAY_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
+    pub cors_allow_origin: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -129,6 +134,7 @@ impl Config {
         if self.max_concurrent == 0 || self.keep_alive_secs == 0 || self.max_completion_tokens == Some(0) {
             return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
         }
+        spade_http::cors::layer(&self.cors_allow_origin)?;
         Ok(())
     }
 

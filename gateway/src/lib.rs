@@ -35,5 +35,10 @@ pub fn router(state: AppState) -> Router {
         .route("/detokenize", post(tokenize::detokenize))
         .route("/metrics", get(admin::metrics))
         .with_state(state.clone());
-    spade_http::app(get(admin::health).with_state(state.clone()), protected, &state.http)
+    let app = spade_http::app(get(admin::health).with_state(state.clone()), protected, &state.http);
+    // Checked by `Config::check` at start; a layer that cannot be built here means no CORS headers.
+    match spade_http::cors::layer(&state.settings.cors_allow_origin) {
+        Ok(Some(cors)) => app.layer(cors),
+        _ => app,
+    }
 }

@@ -27,6 +27,8 @@ pub struct Settings {
     pub fallback: OfflineFallback,
     pub model_name: String,
     pub keep_alive: Duration,
+    /// `--cors-allow-origin`: empty for none.
+    pub cors_allow_origin: Vec<String>,
 }
 
 pub struct Gateway {
@@ -69,6 +71,7 @@ impl Gateway {
                 fallback: config.offline_fallback,
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),
+                cors_allow_origin: config.cors_allow_origin.clone(),
             },
             draft_estimates: Arc::default(),
             metrics: Metrics::default(),

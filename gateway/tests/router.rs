@@ -193,6 +193,45 @@ async fn penalties_and_bias_reach_the_verifier_and_drafting_keeps_its_answer() {
 }
 
 #[tokio::test]
+async fn cors_is_off_by_default_and_answers_listed_origins_only() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let preflight = |url: &str, origin: &str| {
+        client()
+            .request(reqwest::Method::OPTIONS, format!("{url}/v1/chat/completions"))
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization,content-type,x-stainless-os")
+            .send()
+    };
+    let allowed = |r: &reqwest::Response| r.headers().get("access-control-allow-origin").map(|v| v.to_str().unwrap().to_string());
+
+    let closed = start_gateway(&verifier.url, &[]).await;
+    assert_eq!(allowed(&preflight(&closed.url, "https://app.example").await.unwrap()), None);
+
+    let open = start_gateway(&verifier.url, &["--cors-allow-origin", "https://app.example,http://localhost:5173", "--api-key", "gk"]).await;
+    // The preflight carries no credentials, so it is answered before authentication.
+    let r = preflight(&open.url, "https://app.example").await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    assert_eq!(allowed(&r).as_deref(), Some("https://app.example"));
+    let headers = r.headers()["access-control-allow-headers"].to_str().unwrap().to_lowercase();
+    assert!(headers.contains("x-stainless-os") && headers.contains("authorization"), "{headers}");
+    assert_eq!(allowed(&preflight(&open.url, "https://evil.example").await.unwrap()), None);
+    // The request itself still needs the key, and its answer names the origin.
+    let r = client().post(format!("{}/v1/chat/completions", open.url)).header("origin", "http://localhost:5173").json(&hello(json!({}))).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = client()
+        .post(format!("{}/v1/chat/completions", open.url))
+        .header("origin", "http://localhost:5173")
+        .bearer_auth("gk")
+        .json(&hello(json!({"max_tokens": 3})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(allowed(&r).as_deref(), Some("http://localhost:5173"));
+}
+
+#[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;

@@ -3,6 +3,7 @@
 //!
 //! - [`app`]: the skeleton around a server's routes: `/health` open, the rest behind the bearer key
 //!   ([`auth`]), OpenAI-shaped 404/405, request ids with tracing spans, the body limit.
+//! - [`cors`]: opt-in CORS for browser clients.
 //! - [`error`]: the OpenAI-shaped error response, the errors of the request itself, the JSON extractor.
 //! - [`args`]: the shared flags, flattened into each server's `Config`.
 //! - [`model`]: the slot the background-loaded model lands in.
@@ -11,6 +12,7 @@
 
 pub mod args;
 pub mod auth;
+pub mod cors;
 pub mod error;
 pub mod model;
 pub mod openapi;
