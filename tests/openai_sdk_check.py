@@ -2,7 +2,8 @@
 
 Checks that non-streamed and streamed answers parse, agree with each other under greedy decoding,
 that include_usage yields a final chunk with no choices and SPADE's usage extension, that
-/v1/models lists the model, that penalties and logit_bias give the target-only answer, and that an unsupported parameter raises BadRequestError naming it.
+/v1/models lists the model, that penalties and logit_bias give the target-only answer, that legacy completions
+parse streamed and not, and that an unsupported parameter raises BadRequestError naming it.
 """
 import json
 import sys
@@ -51,6 +52,14 @@ target_only = client.chat.completions.create(**penalised, extra_body={"spade": {
 assert spec == target_only, (spec, target_only)
 assert spec != text, "a ban on the answer's first token changed nothing"
 report["penalties"] = {"text": spec, "banned": first_token}
+
+# Legacy completions: a raw prompt, non-streamed and streamed, the same text.
+legacy = client.completions.create(model="spade", prompt="The three primary colours are", temperature=0, max_tokens=16)
+assert legacy.object == "text_completion" and legacy.choices[0].text, legacy
+pieces = [c.choices[0].text for c in client.completions.create(
+    model="spade", prompt="The three primary colours are", temperature=0, max_tokens=16, stream=True) if c.choices]
+assert "".join(pieces) == legacy.choices[0].text, (pieces, legacy.choices[0].text)
+report["completions"] = {"text": legacy.choices[0].text, "chunks": len(pieces)}
 
 models = client.models.list()
 assert [m.id for m in models.data] == ["spade"], models

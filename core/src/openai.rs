@@ -60,44 +60,15 @@ pub struct ChatCompletionRequest {
     pub messages: Vec<ChatMessage>,
     #[serde(default)]
     pub model: Option<String>,
-    #[serde(default)]
-    pub temperature: Option<f32>,
-    #[serde(default)]
-    pub top_p: Option<f32>,
-    /// Extension (vLLM, llama.cpp): keep the k most probable tokens.
-    #[serde(default)]
-    pub top_k: Option<u32>,
-    /// Extension (vLLM, llama.cpp).
-    #[serde(default)]
-    pub min_p: Option<f32>,
-    #[serde(default)]
-    pub max_tokens: Option<i64>,
+    #[serde(flatten)]
+    pub generation: GenerationFields,
+    /// Wins over `max_tokens` when both are set.
     #[serde(default)]
     pub max_completion_tokens: Option<i64>,
-    #[serde(default)]
-    pub stop: Option<StopSequences>,
-    #[serde(default)]
-    pub seed: Option<i64>,
-    #[serde(default, deserialize_with = "null_as_default")]
-    pub stream: bool,
-    #[serde(default)]
-    pub stream_options: Option<StreamOptions>,
     #[serde(default, deserialize_with = "null_as_default")]
     pub logprobs: bool,
     #[serde(default)]
     pub top_logprobs: Option<u8>,
-    #[serde(default)]
-    pub n: Option<u32>,
-    /// Subtracted once from the logit of each token already in the completion. -2 to 2.
-    #[serde(default)]
-    pub presence_penalty: Option<f32>,
-    /// Subtracted from a token's logit once per occurrence in the completion. -2 to 2.
-    #[serde(default)]
-    pub frequency_penalty: Option<f32>,
-    /// Token id (as a string) to a bias added to its logit, -100 to 100 (-100 bans the token).
-    #[serde(default)]
-    #[schema(value_type = Option<HashMap<String, f64>>)]
-    pub logit_bias: Option<Value>,
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
@@ -115,6 +86,43 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub function_call: Option<Value>,
+}
+
+/// The fields chat completions and (legacy) completions share: how to decode, how much, when to stop.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+pub struct GenerationFields {
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Extension (vLLM, llama.cpp): keep the k most probable tokens.
+    #[serde(default)]
+    pub top_k: Option<u32>,
+    /// Extension (vLLM, llama.cpp).
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<StopSequences>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub n: Option<u32>,
+    /// Subtracted once from the logit of each token already in the completion. -2 to 2.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// Subtracted from a token's logit once per occurrence in the completion. -2 to 2.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) to a bias added to its logit, -100 to 100 (-100 bans the token).
+    #[serde(default)]
+    #[schema(value_type = Option<HashMap<String, f64>>)]
+    pub logit_bias: Option<Value>,
     /// Extension (vLLM's definition): logits of tokens in the prompt or the completion are divided by
     /// it when positive, multiplied by it otherwise. > 0; 1 = off.
     #[serde(default)]
@@ -124,6 +132,38 @@ pub struct ChatCompletionRequest {
     /// Extension: SPADE's own per-request settings.
     #[serde(default)]
     pub spade: Option<SpadeOptions>,
+}
+
+/// `POST /v1/completions` body (OpenAI's legacy completions): a raw prompt, no chat template.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(flatten)]
+    pub generation: GenerationFields,
+    /// Return the log-probabilities of each token with this many alternatives (0 to 20).
+    #[serde(default)]
+    pub logprobs: Option<u8>,
+    /// Put the prompt in front of the completion's text.
+    #[serde(default, deserialize_with = "null_as_default")]
+    pub echo: bool,
+    /// Text after the completion (fill-in-the-middle): refused by name unless empty.
+    #[serde(default)]
+    pub suffix: Option<String>,
+    /// Refused by name unless 1 (the server would have to rank candidates it does not return).
+    #[serde(default)]
+    pub best_of: Option<u32>,
+}
+
+/// A completion prompt: text, or token ids; a list of several prompts is refused by name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// `null` where OpenAI accepts it for a field with a default.
@@ -352,6 +392,38 @@ pub struct ChatCompletionChunk {
     pub usage: Option<Usage>,
 }
 
+/// Legacy completions' log-probabilities: parallel lists, one entry per token.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+pub struct TextLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    /// The most likely alternatives at each position, token text to log-probability.
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+    /// Where each token's text starts in `text` (echoed prompt included), in characters.
+    pub text_offset: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TextChoice {
+    pub text: String,
+    pub index: u32,
+    pub logprobs: Option<TextLogprobs>,
+    /// Null in a stream's chunks until the last.
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// A legacy completion, or one chunk of a streamed one (`object` is `text_completion` in both).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct TextCompletion {
+    pub id: String,
+    pub object: String,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<TextChoice>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ModelCard {
     pub id: String,
@@ -386,8 +458,19 @@ mod tests {
         .unwrap();
         assert_eq!(req.messages.len(), 2);
         assert!(matches!(req.messages[1].content, Some(MessageContent::Parts(_))));
-        assert_eq!(req.stop, Some(StopSequences::Many(vec!["\n\n".into(), "END".into()])));
-        assert!(req.stream_options.unwrap().include_usage);
+        assert_eq!(req.generation.stop, Some(StopSequences::Many(vec!["\n\n".into(), "END".into()])));
+        assert!(req.generation.stream_options.unwrap().include_usage);
+    }
+
+    #[test]
+    fn completion_prompts_are_text_or_ids() {
+        let parse = |v: serde_json::Value| serde_json::from_value::<CompletionRequest>(v).unwrap();
+        assert_eq!(parse(serde_json::json!({"prompt": "Once", "max_tokens": 5, "echo": null})).prompt, Prompt::Text("Once".into()));
+        let ids = parse(serde_json::json!({"prompt": [1, 2, 3], "logprobs": 2}));
+        assert_eq!((ids.prompt, ids.logprobs), (Prompt::Tokens(vec![1, 2, 3]), Some(2)));
+        assert_eq!(parse(serde_json::json!({"prompt": ["a", "b"]})).prompt, Prompt::Texts(vec!["a".into(), "b".into()]));
+        assert_eq!(parse(serde_json::json!({"prompt": [[1], [2]]})).prompt, Prompt::TokenLists(vec![vec![1], vec![2]]));
+        assert!(serde_json::from_value::<CompletionRequest>(serde_json::json!({"prompt": 3})).is_err());
     }
 
     #[test]
@@ -396,8 +479,8 @@ mod tests {
             "messages": [{"role": "user", "content": "hi"}], "stream": null, "logprobs": null, "spade": {"draft_len": "auto"}
         }))
         .unwrap();
-        assert!(!req.stream && !req.logprobs);
-        assert_eq!(req.spade.unwrap().draft_len, Some(DraftLen::AUTO));
+        assert!(!req.generation.stream && !req.logprobs);
+        assert_eq!(req.generation.spade.unwrap().draft_len, Some(DraftLen::AUTO));
         let fixed: SpadeOptions = serde_json::from_value(serde_json::json!({"draft_len": 3})).unwrap();
         assert_eq!(fixed.draft_len.and_then(DraftLen::fixed), Some(3));
         for bad in [serde_json::json!({"draft_len": "fast"}), serde_json::json!({"draft_len": -1}), serde_json::json!({"draftlen": 2})] {

@@ -1,18 +1,21 @@
-//! spade-gateway: the edge server. OpenAI-compatible `/v1/chat/completions`, drafted by a local model,
+//! spade-gateway: the edge server. OpenAI-compatible `/v1/chat/completions` and `/v1/completions`, drafted by a local model,
 //! verified block by block by `spade-verifier`, streamed back as SSE.
 //!
-//! Handlers are thin: `chat` validates and starts a `generation` (the draft/verify loop), `respond`
-//! shapes its events into OpenAI JSON or SSE, `verifier` is the HTTP client of the cloud side,
-//! `tokenize` answers vLLM's `/tokenize` and `/detokenize`.
+//! Handlers are thin: `chat` and `completions` validate (the fields they share in `request`) and
+//! start a `generation` (the draft/verify loop), `respond` shapes its events into OpenAI JSON or SSE,
+//! `verifier` is the HTTP client of the cloud side, `tokenize` answers vLLM's `/tokenize` and
+//! `/detokenize`.
 //! The server skeleton (auth, errors, flags, serving) is spade-http's.
 
 mod admin;
 mod chat;
+mod completions;
 pub mod config;
 mod error;
 mod generation;
 mod metrics;
 pub mod openapi;
+mod request;
 mod respond;
 pub mod state;
 mod tokenize;
@@ -30,6 +33,7 @@ pub use state::{AppState, Gateway};
 pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(admin::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))

@@ -1,6 +1,6 @@
 //! The OpenAPI document, generated from the handlers' annotations; spade-http adds the shared parts.
 
-use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ModelList, SpadeUsage, Usage};
+use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, ModelList, SpadeUsage, TextCompletion, Usage};
 use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use utoipa::OpenApi;
 
@@ -8,9 +8,13 @@ use crate::admin::Health;
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "SPADE gateway", description = "Edge side of SPADE: OpenAI-compatible chat completions, drafted locally and verified by the cloud model."),
+    info(
+        title = "SPADE gateway",
+        description = "Edge side of SPADE: OpenAI-compatible chat completions and completions, drafted locally and verified by the cloud model."
+    ),
     paths(
         crate::chat::chat_completions,
+        crate::completions::completions,
         crate::tokenize::tokenize,
         crate::tokenize::detokenize,
         crate::admin::models,
@@ -21,6 +25,8 @@ use crate::admin::Health;
         ChatCompletionRequest,
         ChatCompletion,
         ChatCompletionChunk,
+        CompletionRequest,
+        TextCompletion,
         Usage,
         SpadeUsage,
         ModelList,

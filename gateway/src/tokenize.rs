@@ -6,8 +6,9 @@ use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, T
 use spade_core::ErrorBody;
 use spade_http::Json;
 
-use crate::chat::{chat_messages, refuse};
+use crate::chat::chat_messages;
 use crate::error::ApiError;
+use crate::request::refuse;
 use crate::state::AppState;
 
 /// Token ids of a `prompt` (no chat template), or of chat `messages` exactly as a chat completion

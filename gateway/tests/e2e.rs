@@ -92,6 +92,32 @@ async fn penalties_and_bias_over_http_equal_target_only_greedy_under_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_completions_equal_target_only_greedy_on_the_raw_prompt() {
+    const RAW: [&str; 2] = ["The sea is", "def fibonacci(n):"];
+    let expected = reference_raw(&RAW, MAX_TOKENS).await;
+    assert!(expected.iter().all(|e| e.len() > 20), "the references are too short to compare: {expected:?}");
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
+    let client = reqwest::Client::new();
+    for (prompt, expected) in RAW.iter().zip(&expected) {
+        let body = json!({"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0});
+        let r = client.post(format!("{}/v1/completions", gateway.url)).json(&body).send().await.unwrap();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["choices"][0]["text"].as_str(), Some(expected.as_str()), "{prompt}: {v}");
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let text = client.post(format!("{}/v1/completions", gateway.url)).json(&streamed).send().await.unwrap().text().await.unwrap();
+        let pieces: String = text
+            .split("\n\n")
+            .filter_map(|e| e.strip_prefix("data: "))
+            .filter(|d| *d != "[DONE]")
+            .filter_map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(&pieces, expected, "streamed: {prompt}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_stops_verify_calls() {
     let verifier = start_verifier().await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "1"]).await;

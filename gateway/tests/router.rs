@@ -231,6 +231,70 @@ async fn cors_is_off_by_default_and_answers_listed_origins_only() {
     assert_eq!(allowed(&r).as_deref(), Some("http://localhost:5173"));
 }
 
+async fn complete(url: &str, body: Value) -> (u16, String) {
+    let r = client().post(format!("{url}/v1/completions")).json(&body).send().await.unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+#[tokio::test]
+async fn legacy_completions_continue_a_raw_prompt_streamed_and_not() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
+    // The turn marker (id 1) alone: the fake target answers with its script from the start.
+    let (status, body) = complete(&gateway.url, json!({"prompt": [1], "temperature": 0, "max_tokens": 100})).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((v["object"].as_str(), v["choices"][0]["text"].as_str()), (Some("text_completion"), Some(SCRIPT)));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["usage"]["prompt_tokens"], 1);
+
+    // Streamed, echoed, with usage: the echo comes first, then the same text.
+    let body = json!({"prompt": [[1]], "temperature": 0, "stream": true, "echo": true, "stream_options": {"include_usage": true}});
+    let r = client().post(format!("{}/v1/completions", gateway.url)).json(&body).send().await.unwrap();
+    let data = sse_data(&r.text().await.unwrap());
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "text_completion"), "{chunks:?}");
+    let text: String = chunks.iter().filter_map(|c| c["choices"].get(0)).filter_map(|c| c["text"].as_str()).collect();
+    assert_eq!(text, format!("\u{1}{SCRIPT}"));
+    assert_eq!(chunks[chunks.len() - 2]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks.last().unwrap()["choices"], json!([]));
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], v["usage"]["completion_tokens"]);
+
+    // A text prompt is tokenised without a template; legacy logprobs line up with the text.
+    let (status, body) = complete(&gateway.url, json!({"prompt": "abc", "temperature": 0, "max_tokens": 4, "logprobs": 2})).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], &SCRIPT[3..7]);
+    let lp = &choice["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 4);
+    assert_eq!(lp["text_offset"], json!([0, 1, 2, 3]));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 2);
+    assert!(lp["token_logprobs"][0].as_f64().unwrap() <= 0.0);
+    assert_eq!(choice["finish_reason"], "length");
+
+    let cases = [
+        (json!({"prompt": "a", "suffix": "b"}), "suffix"),
+        (json!({"prompt": "a", "best_of": 2}), "best_of"),
+        (json!({"prompt": "a", "echo": true, "logprobs": 1}), "echo"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": []}), "prompt"),
+        (json!({"prompt": [1, 999]}), "prompt"),
+        (json!({"prompt": "a", "logprobs": 21}), "logprobs"),
+        (json!({"prompt": "a", "n": 3}), "n"),
+        (json!({"prompt": "a", "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": "a", "temperature": 9}), "temperature"),
+        (json!({"prompt": "a", "max_tokens": 100000}), "prompt"),
+    ];
+    for (body, param) in cases {
+        let (status, text) = complete(&gateway.url, body.clone()).await;
+        assert_eq!(status, 400, "{body} -> {text}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap()["error"]["param"], param, "{body} -> {text}");
+    }
+}
+
 #[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;

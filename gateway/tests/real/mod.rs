@@ -134,12 +134,22 @@ pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
 
 /// [`reference`] under penalties and logit bias (their `prompt_len` is set per prompt).
 pub async fn reference_with(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>) -> Vec<String> {
+    reference_of(prompts, max_tokens, penalties, false).await
+}
+
+/// [`reference`] for raw prompts (`/v1/completions`): no chat template, the tokenizer's special tokens.
+pub async fn reference_raw(prompts: &[&str], max_tokens: usize) -> Vec<String> {
+    reference_of(prompts, max_tokens, None, true).await
+}
+
+async fn reference_of(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>, raw: bool) -> Vec<String> {
     let source = ModelSource::Local(tiny());
     let edge = MistralDrafter::load(&source, Default::default()).await.unwrap();
     let scorer = CandleScorer::load(&tiny()).unwrap();
     let mut out = Vec::new();
     for prompt in prompts {
-        let ids = edge.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
+        let ids =
+            if raw { EdgeModel::encode_text(&edge, prompt, true).await.unwrap() } else { edge.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap() };
         let params = GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: 0,

@@ -1,0 +1,231 @@
+//! What chat completions and (legacy) completions share: validating the decoding fields, sizing the
+//! generation against the context and the verifier, and answering with it as JSON or SSE.
+
+use std::collections::BTreeMap;
+
+use axum::response::{IntoResponse, Response};
+use rand::Rng;
+use serde_json::Value;
+use spade_core::limits::MAX_TOP_LOGPROBS;
+use spade_core::openai::{DraftLen, GenerationFields, StopSequences};
+use spade_core::protocol::FEATURE_PENALTIES;
+use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
+use spade_engine::speculative::DraftLength;
+use spade_http::{Json, RequestError};
+use tokio::sync::mpsc;
+
+use crate::config::OfflineFallback;
+use crate::error::ApiError;
+use crate::generation::{self, Event, Job};
+use crate::respond::{self, Shape};
+use crate::state::AppState;
+
+const MAX_STOPS: usize = 16;
+
+/// The error answers of both generation endpoints, documented once (OpenAPI only).
+#[derive(utoipa::IntoResponses)]
+#[allow(dead_code)]
+pub enum GenerationErrors {
+    /// Invalid or unsupported parameter (named in `error.param`), or prompt too long (`code: context_length_exceeded`)
+    #[response(status = 400)]
+    Invalid(ErrorBody),
+    /// Missing or wrong API key (when the gateway has one)
+    #[response(status = 401)]
+    Unauthorized(ErrorBody),
+    /// Body over the size limit
+    #[response(status = 413)]
+    TooLarge(ErrorBody),
+    /// The verifier answered with an error, or its vocabulary differs from the draft model's
+    #[response(status = 502)]
+    Verifier(ErrorBody),
+    /// Draft model loading, or verifier unreachable (`x-should-retry: false`)
+    #[response(status = 503)]
+    Unavailable(ErrorBody),
+}
+
+/// Validated decoding fields; the prompt is not encoded yet.
+#[derive(Debug, Clone)]
+pub struct Decoding {
+    pub sampling: SamplingParams,
+    /// Checked against the vocabulary, and given the prompt's length, in [`job`].
+    pub penalties: Penalties,
+    pub max_tokens: Option<usize>,
+    /// Which field set `max_tokens`, for error messages.
+    pub max_tokens_param: &'static str,
+    pub stops: Vec<String>,
+    pub seed: Option<u64>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub top_logprobs: Option<u8>,
+    /// `spade.draft_len`, where the request sets it.
+    pub draft_len: Option<DraftLen>,
+}
+
+pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
+    RequestError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }.into()
+}
+
+fn invalid_sampling(e: SamplingError) -> ApiError {
+    RequestError::Invalid { message: e.to_string(), param: e.param(None), code: None }.into()
+}
+
+/// `max_tokens` is `(field name, value)`: the API's own field wins over the shared `max_tokens`.
+pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, top_logprobs: Option<u8>) -> Result<Decoding, ApiError> {
+    if g.n.is_some_and(|n| n != 1) {
+        return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
+    }
+    let penalties = Penalties {
+        presence_penalty: g.presence_penalty.unwrap_or(0.0),
+        frequency_penalty: g.frequency_penalty.unwrap_or(0.0),
+        repetition_penalty: g.repetition_penalty.unwrap_or(1.0),
+        logit_bias: logit_bias(g.logit_bias.as_ref())?,
+        prompt_len: 0,
+    };
+    let sampling = SamplingParams::with_defaults(g.temperature, g.top_p, g.top_k, g.min_p);
+    sampling.validate().map_err(invalid_sampling)?;
+    // Out-of-vocabulary biases are checked once the model is known (`job`).
+    penalties.validate(u32::MAX).map_err(invalid_sampling)?;
+    let (name, max) = match (max_tokens, g.max_tokens) {
+        (Some((name, m)), _) => (name, Some(m)),
+        (None, m) => ("max_tokens", m),
+    };
+    let max_tokens = match max {
+        Some(m) if m < 1 => return Err(ApiError::invalid(name, format!("{name} must be at least 1 (got {m})"))),
+        Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
+        None => None,
+    };
+    let stops = match g.stop {
+        None => Vec::new(),
+        Some(StopSequences::One(s)) => vec![s],
+        Some(StopSequences::Many(v)) => v,
+    };
+    if stops.len() > MAX_STOPS {
+        return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop sequences")));
+    }
+    if !g.stream && g.stream_options.is_some() {
+        return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
+    }
+    Ok(Decoding {
+        sampling,
+        penalties,
+        max_tokens,
+        max_tokens_param: name,
+        stops,
+        seed: g.seed.map(|s| s as u64),
+        stream: g.stream,
+        include_usage: g.stream_options.is_some_and(|o| o.include_usage),
+        top_logprobs,
+        draft_len: g.spade.and_then(|s| s.draft_len),
+    })
+}
+
+/// `n` alternatives per token, checked against the limit; `param` names the field.
+pub fn top_logprobs(n: Option<u8>, param: &str) -> Result<Option<u8>, ApiError> {
+    match n {
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(param, format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}"))),
+        n => Ok(n),
+    }
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to numbers, or null.
+fn logit_bias(value: Option<&Value>) -> Result<BTreeMap<u32, f32>, ApiError> {
+    let Some(object) = value.filter(|v| !v.is_null()) else {
+        return Ok(BTreeMap::new());
+    };
+    let object = object.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "logit_bias must be an object mapping token ids to biases"))?;
+    let mut bias = BTreeMap::new();
+    for (key, value) in object {
+        let token = key.parse::<u32>().map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias key {key:?} is not a token id")))?;
+        let value = value.as_f64().ok_or_else(|| ApiError::invalid("logit_bias", format!("logit_bias[{key:?}] must be a number")))?;
+        bias.insert(token, value as f32);
+    }
+    Ok(bias)
+}
+
+/// The first penalty field a request set, to name in an error.
+fn penalty_param(p: &Penalties) -> &'static str {
+    if p.presence_penalty != 0.0 {
+        "presence_penalty"
+    } else if p.frequency_penalty != 0.0 {
+        "frequency_penalty"
+    } else if p.repetition_penalty != 1.0 {
+        "repetition_penalty"
+    } else {
+        "logit_bias"
+    }
+}
+
+/// Sizes the generation of `prompt` against the context window, the verifier's limits and features.
+/// `prompt_param` names the request field a too-long prompt came from.
+pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param: &str) -> Result<Job, ApiError> {
+    let model = state.model()?.clone();
+    d.penalties.validate(model.meta().vocab_size).map_err(invalid_sampling)?;
+    let max_draft_len = state.settings.max_draft_len;
+    let (max_context, max_draft, verify) = match state.verifier_info().await {
+        Ok(info) => {
+            if !d.penalties.is_noop() && !info.features.iter().any(|f| f == FEATURE_PENALTIES) {
+                let message =
+                    "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it";
+                return Err(refuse(penalty_param(&d.penalties), message));
+            }
+            (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true)
+        }
+        Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
+            tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
+            (model.meta().max_context as usize, max_draft_len, false)
+        }
+        Err(e) => return Err(e),
+    };
+    let draft_len = match d.draft_len.unwrap_or(state.settings.draft_len).fixed() {
+        Some(n) if n as usize > max_draft && d.draft_len.is_some() => {
+            return Err(ApiError::invalid("spade.draft_len", format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")")));
+        }
+        Some(n) => DraftLength::Fixed(n as usize),
+        None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone() },
+    };
+    let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some(prompt_param.into()), code: Some("context_length_exceeded") });
+    if prompt.len() >= max_context {
+        return Err(too_long(format!("the prompt is {} tokens; the model's context is {max_context}", prompt.len())));
+    }
+    let room = max_context - prompt.len();
+    let cap = state.settings.max_completion_tokens;
+    if let (Some(m), Some(cap)) = (d.max_tokens, cap) {
+        if m > cap {
+            let param = d.max_tokens_param;
+            return Err(ApiError::invalid(param, format!("{param} is {m}; this gateway allows at most {cap}")));
+        }
+    }
+    if let Some(m) = d.max_tokens.filter(|&m| m > room) {
+        return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
+    }
+    let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() }).filter(|p| !p.is_noop());
+    Ok(Job {
+        prompt,
+        penalties,
+        max_tokens: d.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
+        sampling: d.sampling,
+        seed: d.seed.unwrap_or_else(|| rand::rng().random()),
+        stops: d.stops.clone(),
+        top_logprobs: d.top_logprobs,
+        draft_len,
+        verify,
+        reproducible: d.seed.is_some() && !d.sampling.is_greedy(),
+    })
+}
+
+/// Runs the generation and answers in `shape`: one JSON object, or SSE when `d.stream`.
+pub async fn answer(state: &AppState, d: &Decoding, job: Job, shape: Shape) -> Result<Response, ApiError> {
+    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), d.top_logprobs.is_some(), shape);
+    let (tx, mut rx) = mpsc::channel(64);
+    tokio::spawn(generation::run(state.clone(), job, tx));
+    // Wait for the first event, so a failure before any output gets a real status code.
+    let first = rx.recv().await.ok_or_else(|| ApiError::Internal("the generation ended without a result".into()))?;
+    if let Event::Failed(e) = first {
+        return Err(e);
+    }
+    if d.stream {
+        Ok(respond::stream(meta, first, rx, d.include_usage, state.settings.keep_alive).into_response())
+    } else {
+        respond::collect(meta, first, rx).await.map(|c| Json(c).into_response())
+    }
+}
