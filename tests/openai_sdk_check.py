@@ -3,7 +3,7 @@
 Checks that non-streamed and streamed answers parse, agree with each other under greedy decoding,
 that include_usage yields a final chunk with no choices and SPADE's usage extension, that
 /v1/models lists the model, that penalties and logit_bias give the target-only answer, that legacy completions
-parse streamed and not, and that an unsupported parameter raises BadRequestError naming it.
+parse streamed and not, that n = 2 gives two choices, and that a bad parameter raises BadRequestError naming it.
 """
 import json
 import sys
@@ -63,10 +63,15 @@ report["completions"] = {"text": legacy.choices[0].text, "chunks": len(pieces)}
 
 models = client.models.list()
 assert [m.id for m in models.data] == ["spade"], models
+# n = 2 under greedy decoding: two choices, both the target's answer; usage covers both.
+two = client.chat.completions.create(model="spade", messages=messages, temperature=0, max_tokens=24, n=2)
+assert [c.index for c in two.choices] == [0, 1] and all(c.message.content == text for c in two.choices), two
+assert two.usage.completion_tokens == 2 * usage.completion_tokens, (two.usage, usage)
+report["n"] = 2
 try:
-    client.chat.completions.create(model="spade", messages=messages, n=2)
-    raise AssertionError("n=2 was accepted")
+    client.chat.completions.create(model="spade", messages=messages, n=0)
+    raise AssertionError("n=0 was accepted")
 except openai.BadRequestError as e:
     assert e.body["param"] == "n", e.body
-report["errors"] = "n=2 -> BadRequestError(param=n)"
+report["errors"] = "n=0 -> BadRequestError(param=n)"
 print(json.dumps(report, indent=1))

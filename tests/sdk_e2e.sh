@@ -19,7 +19,7 @@ url="http://127.0.0.1:$SPADE_GATEWAY_PORT"
 
 echo "sdk_e2e: openai $("$venv/bin/python" -c 'import openai; print(openai.__version__)') against $url/v1"
 "$venv/bin/python" tests/openai_sdk_check.py "$url/v1" >"$SPADE_RUN_DIR/sdk.json"
-echo "sdk_e2e: openai SDK: stream and non-stream parse and agree; include_usage; penalties and logit_bias; /v1/completions; /v1/models; 400 on n=2"
+echo "sdk_e2e: openai SDK: stream and non-stream parse and agree; include_usage; penalties and logit_bias; /v1/completions; n=2; /v1/models; 400 on n=0"
 
 # curl -N: data lines must arrive over time, not all at once at the end.
 body='{"model":"spade","stream":true,"temperature":0,"max_tokens":48,"messages":[{"role":"user","content":"Tell me about the sea."}]}'

@@ -111,6 +111,7 @@ pub struct GenerationFields {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Choices: independent generations of the prompt, 1 to 16 (choice 0 keeps `seed`).
     #[serde(default)]
     pub n: Option<u32>,
     /// Subtracted once from the logit of each token already in the completion. -2 to 2.

@@ -4,11 +4,13 @@
 use std::collections::BTreeMap;
 
 use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
 use rand::Rng;
 use serde_json::Value;
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::{DraftLen, GenerationFields, StopSequences};
 use spade_core::protocol::FEATURE_PENALTIES;
+use spade_core::rng::choice_seed;
 use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
 use spade_engine::speculative::DraftLength;
 use spade_http::{Json, RequestError};
@@ -21,6 +23,8 @@ use crate::respond::{self, Shape};
 use crate::state::AppState;
 
 const MAX_STOPS: usize = 16;
+/// Most choices (`n`) one request may ask for: each is a generation of its own.
+const MAX_CHOICES: u32 = 16;
 
 /// The error answers of both generation endpoints, documented once (OpenAPI only).
 #[derive(utoipa::IntoResponses)]
@@ -59,6 +63,8 @@ pub struct Decoding {
     pub top_logprobs: Option<u8>,
     /// `spade.draft_len`, where the request sets it.
     pub draft_len: Option<DraftLen>,
+    /// Choices: independent generations of the same prompt.
+    pub n: u32,
 }
 
 pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
@@ -71,8 +77,9 @@ fn invalid_sampling(e: SamplingError) -> ApiError {
 
 /// `max_tokens` is `(field name, value)`: the API's own field wins over the shared `max_tokens`.
 pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, top_logprobs: Option<u8>) -> Result<Decoding, ApiError> {
-    if g.n.is_some_and(|n| n != 1) {
-        return Err(refuse("n", "only n = 1 is supported: send several requests for several choices"));
+    let n = g.n.unwrap_or(1);
+    if !(1..=MAX_CHOICES).contains(&n) {
+        return Err(ApiError::invalid("n", format!("n must be between 1 and {MAX_CHOICES} (got {n})")));
     }
     let penalties = Penalties {
         presence_penalty: g.presence_penalty.unwrap_or(0.0),
@@ -116,6 +123,7 @@ pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, to
         include_usage: g.stream_options.is_some_and(|o| o.include_usage),
         top_logprobs,
         draft_len: g.spade.and_then(|s| s.draft_len),
+        n,
     })
 }
 
@@ -213,19 +221,50 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
     })
 }
 
-/// Runs the generation and answers in `shape`: one JSON object, or SSE when `d.stream`.
+/// Runs the request's `n` generations (choice i seeded with [`choice_seed`]) and answers in `shape`:
+/// one JSON object, or SSE when `d.stream`. The choices run at the same time, except for a seeded
+/// sampled request: its choices run one after another, each from a fresh draft cache, so that it
+/// reproduces (see `Drafter::begin_generation`).
 pub async fn answer(state: &AppState, d: &Decoding, job: Job, shape: Shape) -> Result<Response, ApiError> {
-    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), d.top_logprobs.is_some(), shape);
-    let (tx, mut rx) = mpsc::channel(64);
-    tokio::spawn(generation::run(state.clone(), job, tx));
-    // Wait for the first event, so a failure before any output gets a real status code.
-    let first = rx.recv().await.ok_or_else(|| ApiError::Internal("the generation ended without a result".into()))?;
-    if let Event::Failed(e) = first {
-        return Err(e);
+    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), d.top_logprobs.is_some(), shape, d.n as usize);
+    let one_by_one = job.reproducible && d.n > 1;
+    let (mut runs, mut receivers) = (Vec::new(), Vec::new());
+    for index in 0..d.n {
+        let (tx, rx) = mpsc::channel(64);
+        runs.push(generation::run(state.clone(), Job { seed: choice_seed(job.seed, index), ..job.clone() }, tx));
+        receivers.push(rx);
     }
-    if d.stream {
-        Ok(respond::stream(meta, first, rx, d.include_usage, state.settings.keep_alive).into_response())
+    if one_by_one {
+        tokio::spawn(async move {
+            for run in runs {
+                run.await;
+            }
+        });
     } else {
-        respond::collect(meta, first, rx).await.map(|c| Json(c).into_response())
+        for run in runs {
+            tokio::spawn(run);
+        }
+    }
+    // Wait for the first event of each choice that has started, so a failure before any output gets
+    // a real status code (dropping the receivers stops the generations).
+    let mut tagged = Vec::with_capacity(receivers.len());
+    for (index, mut rx) in (0..).zip(receivers) {
+        let first = if index == 0 || !one_by_one {
+            let first = rx.recv().await.ok_or_else(|| ApiError::Internal("the generation ended without a result".into()))?;
+            if let Event::Failed(e) = first {
+                return Err(e);
+            }
+            Some(first)
+        } else {
+            None
+        };
+        let rest = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        tagged.push(futures::stream::iter(first).chain(rest).map(move |e| (index, e)).boxed());
+    }
+    let events: respond::Events = futures::stream::select_all(tagged).boxed();
+    if d.stream {
+        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive).into_response())
+    } else {
+        respond::collect(meta, events).await.map(|c| Json(c).into_response())
     }
 }

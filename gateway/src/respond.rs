@@ -11,10 +11,9 @@ use futures::{Stream, StreamExt};
 use rand::Rng;
 use serde_json::Value;
 use spade_core::openai::{
-    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason, Role, SpadeUsage,
-    TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
+    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason, Role,
+    SpadeTiming, SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
 };
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 use crate::generation::Event;
@@ -38,12 +37,12 @@ pub struct Meta {
     prompt_tokens: usize,
     logprobs: bool,
     shape: Shape,
-    /// Characters of text sent so far, echo included.
-    offset: u32,
+    /// Characters of text sent so far per choice, echo included (legacy `text_offset`).
+    offsets: Vec<u32>,
 }
 
 impl Meta {
-    pub fn new(model: &str, prompt_tokens: usize, logprobs: bool, shape: Shape) -> Self {
+    pub fn new(model: &str, prompt_tokens: usize, logprobs: bool, shape: Shape, choices: usize) -> Self {
         let prefix = match shape {
             Shape::Chat => "chatcmpl",
             Shape::Text { .. } => "cmpl",
@@ -55,39 +54,50 @@ impl Meta {
             prompt_tokens,
             logprobs,
             shape,
-            offset: 0,
+            offsets: vec![0; choices],
         }
     }
 
-    fn usage(&self, r: &GenerationRecord) -> Usage {
-        let completion = r.completion_tokens as u32;
+    /// Usage of all the request's choices: the prompt counted once, the rest summed.
+    fn usage(&self, records: &[GenerationRecord]) -> Usage {
+        let sum = |f: fn(&GenerationRecord) -> u64| records.iter().map(f).sum::<u64>();
+        let (completion, calls) = (sum(|r| r.completion_tokens), sum(|r| r.verify_calls));
+        let (drafted, accepted) = (sum(|r| r.drafted), sum(|r| r.accepted));
+        let timing = |f: fn(&SpadeTiming) -> f64| records.iter().map(|r| f(&r.timing)).sum::<f64>();
+        let first = records.first();
         Usage {
             prompt_tokens: self.prompt_tokens as u32,
-            completion_tokens: completion,
-            total_tokens: self.prompt_tokens as u32 + completion,
+            completion_tokens: completion as u32,
+            total_tokens: (self.prompt_tokens as u64 + completion) as u32,
             completion_tokens_details: CompletionTokensDetails {
-                accepted_prediction_tokens: r.accepted as u32,
-                rejected_prediction_tokens: (r.drafted - r.accepted) as u32,
+                accepted_prediction_tokens: accepted as u32,
+                rejected_prediction_tokens: (drafted - accepted) as u32,
             },
             spade: Some(SpadeUsage {
-                verify_calls: r.verify_calls as u32,
-                mean_tokens_per_call: if r.verify_calls == 0 { 0.0 } else { r.completion_tokens as f64 / r.verify_calls as f64 },
-                draft_len: r.draft_len,
-                ahead_drafted: r.ahead_drafted as u32,
-                ahead_used: r.ahead_used as u32,
-                timing: r.timing.clone(),
-                auto: r.auto.clone(),
-                bytes_sent: r.bytes_sent,
-                bytes_received: r.bytes_received,
-                degraded: r.degraded,
+                verify_calls: calls as u32,
+                mean_tokens_per_call: if calls == 0 { 0.0 } else { completion as f64 / calls as f64 },
+                draft_len: first.map(|r| r.draft_len).unwrap_or_default(),
+                ahead_drafted: sum(|r| r.ahead_drafted) as u32,
+                ahead_used: sum(|r| r.ahead_used) as u32,
+                timing: SpadeTiming {
+                    draft_s: timing(|t| t.draft_s),
+                    overlap_s: timing(|t| t.overlap_s),
+                    link_s: timing(|t| t.link_s),
+                    verifier_s: timing(|t| t.verifier_s),
+                },
+                auto: first.and_then(|r| r.auto.clone()),
+                bytes_sent: sum(|r| r.bytes_sent),
+                bytes_received: sum(|r| r.bytes_received),
+                degraded: records.iter().any(|r| r.degraded),
             }),
         }
     }
 
-    /// Legacy log-probabilities of these tokens, advancing the text offset over `text`.
-    fn text_logprobs(&mut self, content: &[TokenLogprobContent], text: &str) -> Option<TextLogprobs> {
-        let start = self.offset;
-        self.offset += text.chars().count() as u32;
+    /// Legacy log-probabilities of choice `index`'s tokens, advancing its text offset over `text`.
+    fn text_logprobs(&mut self, index: u32, content: &[TokenLogprobContent], text: &str) -> Option<TextLogprobs> {
+        let offset = &mut self.offsets[index as usize];
+        let start = *offset;
+        *offset += text.chars().count() as u32;
         if !self.logprobs {
             return None;
         }
@@ -120,143 +130,167 @@ impl Meta {
         serde_json::to_value(chunk).unwrap_or_default()
     }
 
-    /// The chunks before any generated text: the role (chat), the echoed prompt (text).
+    /// The chunks before any generated text, for every choice: the role (chat), the echoed prompt (text).
     fn head(&mut self) -> Vec<Value> {
+        let n = self.offsets.len() as u32;
         match self.shape.clone() {
-            Shape::Chat => {
-                let delta = Delta { role: Some(Role::Assistant), content: Some(String::new()) };
-                vec![self.chat_chunk(vec![ChunkChoice { index: 0, delta, logprobs: None, finish_reason: None }], None)]
-            }
-            Shape::Text { echo: Some(echo) } if !echo.is_empty() => {
-                self.offset += echo.chars().count() as u32;
-                vec![self.text_chunk(vec![TextChoice { text: echo, index: 0, logprobs: None, finish_reason: None }], None)]
-            }
+            Shape::Chat => (0..n)
+                .map(|index| {
+                    let delta = Delta { role: Some(Role::Assistant), content: Some(String::new()) };
+                    self.chat_chunk(vec![ChunkChoice { index, delta, logprobs: None, finish_reason: None }], None)
+                })
+                .collect(),
+            Shape::Text { echo: Some(echo) } if !echo.is_empty() => (0..n)
+                .map(|index| {
+                    self.offsets[index as usize] = echo.chars().count() as u32;
+                    self.text_chunk(vec![TextChoice { text: echo.clone(), index, logprobs: None, finish_reason: None }], None)
+                })
+                .collect(),
             Shape::Text { .. } => Vec::new(),
         }
     }
 
-    fn text(&mut self, text: String, logprobs: Vec<TokenLogprobContent>) -> Value {
+    fn text(&mut self, index: u32, text: String, logprobs: Vec<TokenLogprobContent>) -> Value {
         match self.shape {
             Shape::Chat => {
                 let logprobs = self.logprobs.then_some(ChoiceLogprobs { content: logprobs });
-                self.chat_chunk(vec![ChunkChoice { index: 0, delta: Delta { role: None, content: Some(text) }, logprobs, finish_reason: None }], None)
+                self.chat_chunk(vec![ChunkChoice { index, delta: Delta { role: None, content: Some(text) }, logprobs, finish_reason: None }], None)
             }
             Shape::Text { .. } => {
-                let logprobs = self.text_logprobs(&logprobs, &text);
-                self.text_chunk(vec![TextChoice { text, index: 0, logprobs, finish_reason: None }], None)
+                let logprobs = self.text_logprobs(index, &logprobs, &text);
+                self.text_chunk(vec![TextChoice { text, index, logprobs, finish_reason: None }], None)
             }
         }
     }
 
-    fn finish(&self, finish: FinishReason) -> Value {
+    fn finish(&self, index: u32, finish: FinishReason) -> Value {
         match self.shape {
-            Shape::Chat => self.chat_chunk(vec![ChunkChoice { index: 0, delta: Delta::default(), logprobs: None, finish_reason: Some(finish) }], None),
-            Shape::Text { .. } => self.text_chunk(vec![TextChoice { text: String::new(), index: 0, logprobs: None, finish_reason: Some(finish) }], None),
+            Shape::Chat => self.chat_chunk(vec![ChunkChoice { index, delta: Delta::default(), logprobs: None, finish_reason: Some(finish) }], None),
+            Shape::Text { .. } => self.text_chunk(vec![TextChoice { text: String::new(), index, logprobs: None, finish_reason: Some(finish) }], None),
         }
     }
 
-    fn usage_chunk(&self, record: &GenerationRecord) -> Value {
+    fn usage_chunk(&self, records: &[GenerationRecord]) -> Value {
         match self.shape {
-            Shape::Chat => self.chat_chunk(Vec::new(), Some(self.usage(record))),
-            Shape::Text { .. } => self.text_chunk(Vec::new(), Some(self.usage(record))),
+            Shape::Chat => self.chat_chunk(Vec::new(), Some(self.usage(records))),
+            Shape::Text { .. } => self.text_chunk(Vec::new(), Some(self.usage(records))),
         }
     }
 
     /// The whole answer in one object.
-    fn whole(mut self, content: String, logprobs: Vec<TokenLogprobContent>, finish: FinishReason, record: &GenerationRecord) -> Value {
-        let usage = self.usage(record);
+    fn whole(mut self, choices: Vec<Collected>) -> Value {
+        let records: Vec<GenerationRecord> = choices.iter().map(|c| c.record.clone()).collect();
+        let usage = self.usage(&records);
         match self.shape.clone() {
-            Shape::Chat => serde_json::to_value(ChatCompletion {
-                id: self.id.clone(),
-                object: "chat.completion".into(),
-                created: self.created,
-                model: self.model.clone(),
-                choices: vec![Choice {
-                    index: 0,
-                    message: AssistantMessage { role: Role::Assistant, content },
-                    logprobs: self.logprobs.then_some(ChoiceLogprobs { content: logprobs }),
-                    finish_reason: finish,
-                }],
-                usage,
-                system_fingerprint: None,
-            }),
+            Shape::Chat => {
+                let choices = choices
+                    .into_iter()
+                    .zip(0..)
+                    .map(|(c, index)| Choice {
+                        index,
+                        message: AssistantMessage { role: Role::Assistant, content: c.content },
+                        logprobs: self.logprobs.then_some(ChoiceLogprobs { content: c.logprobs }),
+                        finish_reason: c.finish,
+                    })
+                    .collect();
+                let completion = ChatCompletion {
+                    id: self.id.clone(),
+                    object: "chat.completion".into(),
+                    created: self.created,
+                    model: self.model.clone(),
+                    choices,
+                    usage,
+                    system_fingerprint: None,
+                };
+                serde_json::to_value(completion)
+            }
             Shape::Text { echo } => {
                 let echo = echo.unwrap_or_default();
-                self.offset = echo.chars().count() as u32;
-                let lp = self.text_logprobs(&logprobs, &content);
-                let choice = TextChoice { text: echo + &content, index: 0, logprobs: lp, finish_reason: Some(finish) };
-                serde_json::to_value(TextCompletion {
+                let mut out = Vec::with_capacity(choices.len());
+                for (c, index) in choices.into_iter().zip(0..) {
+                    self.offsets[index as usize] = echo.chars().count() as u32;
+                    let logprobs = self.text_logprobs(index, &c.logprobs, &c.content);
+                    out.push(TextChoice { text: echo.clone() + &c.content, index, logprobs, finish_reason: Some(c.finish) });
+                }
+                let completion = TextCompletion {
                     id: self.id.clone(),
                     object: "text_completion".into(),
                     created: self.created,
                     model: self.model.clone(),
-                    choices: vec![choice],
+                    choices: out,
                     usage: Some(usage),
-                })
+                };
+                serde_json::to_value(completion)
             }
         }
         .unwrap_or_default()
     }
 }
 
-/// Collects a whole generation into one answer object. A failure midway fails the request.
-pub async fn collect(meta: Meta, first: Event, mut rx: mpsc::Receiver<Event>) -> Result<Value, ApiError> {
-    let mut content = String::new();
-    let mut logprobs = Vec::new();
-    let mut next = Some(first);
-    loop {
-        let event = match next.take() {
-            Some(e) => Some(e),
-            None => rx.recv().await,
-        };
-        match event {
-            Some(Event::Text { text, logprobs: lp }) => {
-                content.push_str(&text);
-                logprobs.extend(lp);
+/// One choice, generated to the end.
+struct Collected {
+    content: String,
+    logprobs: Vec<TokenLogprobContent>,
+    finish: FinishReason,
+    record: GenerationRecord,
+}
+
+/// The events of all of a request's generations, tagged with their choice index.
+pub type Events = futures::stream::BoxStream<'static, (u32, Event)>;
+
+/// Collects every choice to its end into one answer object. A failure in any fails the request.
+pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> {
+    let n = meta.offsets.len();
+    let mut text = vec![(String::new(), Vec::new()); n];
+    let mut done: Vec<Option<Collected>> = (0..n).map(|_| None).collect();
+    while done.iter().any(Option::is_none) {
+        match events.next().await {
+            Some((i, Event::Text { text: t, logprobs })) => {
+                text[i as usize].0.push_str(&t);
+                text[i as usize].1.extend(logprobs);
             }
-            Some(Event::Finished { finish, record }) => return Ok(meta.whole(content, logprobs, finish, &record)),
-            Some(Event::Failed(e)) => return Err(e),
-            None => return Err(ApiError::Internal("the generation ended without a result".into())),
+            Some((i, Event::Finished { finish, record })) => {
+                let (content, logprobs) = std::mem::take(&mut text[i as usize]);
+                done[i as usize] = Some(Collected { content, logprobs, finish, record: *record });
+            }
+            Some((_, Event::Failed(e))) => return Err(e),
+            None => return Err(ApiError::Internal("a generation ended without a result".into())),
         }
     }
+    Ok(meta.whole(done.into_iter().flatten().collect()))
 }
 
 fn data(value: &impl serde::Serialize) -> SseEvent {
     SseEvent::default().data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\":{{\"message\":\"{e}\"}}}}")))
 }
 
-/// Streams a generation as SSE. Dropping the stream (client gone) drops `rx`, which stops the loop.
-pub fn stream(
-    mut meta: Meta,
-    first: Event,
-    rx: mpsc::Receiver<Event>,
-    include_usage: bool,
-    keep_alive: Duration,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+/// Streams every choice's chunks as SSE, interleaved as they come; the usage (when asked) and
+/// `[DONE]` once all have finished. Dropping the stream (client gone) drops every generation's
+/// receiver, which stops them.
+pub fn stream(mut meta: Meta, events: Events, include_usage: bool, keep_alive: Duration) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let head = futures::stream::iter(meta.head().iter().map(data).collect::<Vec<_>>());
-    let body = futures::stream::unfold(Some((meta, Some(first), rx)), move |state| async move {
-        let (mut meta, pending, mut rx) = state?;
-        let event = match pending {
-            Some(e) => Some(e),
-            None => rx.recv().await,
-        };
-        let events = match event {
-            Some(Event::Text { text, logprobs }) => {
-                let chunk = meta.text(text, logprobs);
-                return Some((vec![data(&chunk)], Some((meta, None, rx))));
-            }
-            Some(Event::Finished { finish, record }) => {
-                let mut events = vec![data(&meta.finish(finish))];
-                if include_usage {
-                    events.push(data(&meta.usage_chunk(&record)));
+    let records: Vec<Option<GenerationRecord>> = vec![None; meta.offsets.len()];
+    let body = futures::stream::unfold(Some((meta, events, records)), move |state| async move {
+        let (mut meta, mut events, mut records) = state?;
+        let out = match events.next().await {
+            Some((i, Event::Text { text, logprobs })) => vec![data(&meta.text(i, text, logprobs))],
+            Some((i, Event::Finished { finish, record })) => {
+                records[i as usize] = Some(*record);
+                let mut out = vec![data(&meta.finish(i, finish))];
+                if records.iter().all(Option::is_some) {
+                    let records: Vec<GenerationRecord> = records.into_iter().flatten().collect();
+                    if include_usage {
+                        out.push(data(&meta.usage_chunk(&records)));
+                    }
+                    out.push(SseEvent::default().data("[DONE]"));
+                    return Some((out, None));
                 }
-                events.push(SseEvent::default().data("[DONE]"));
-                events
+                out
             }
-            Some(Event::Failed(e)) => vec![data(&e.body())],
-            None => vec![data(&ApiError::Internal("the generation ended without a result".into()).body())],
+            Some((_, Event::Failed(e))) => return Some((vec![data(&e.body())], None)),
+            None => return Some((vec![data(&ApiError::Internal("a generation ended without a result".into()).body())], None)),
         };
-        Some((events, None))
+        Some((out, Some((meta, events, records))))
     })
     .flat_map(futures::stream::iter);
     Sse::new(head.chain(body).map(Ok)).keep_alive(KeepAlive::new().interval(keep_alive))

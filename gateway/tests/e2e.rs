@@ -118,6 +118,18 @@ async fn legacy_completions_equal_target_only_greedy_on_the_raw_prompt() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_choices_are_distinct_and_reproduce() {
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let body = req(PROMPTS[0], json!({"n": 3, "temperature": 1.0, "seed": 5}));
+    let texts = |v: &Value| -> Vec<String> { v["choices"].as_array().unwrap().iter().map(|c| c["message"]["content"].as_str().unwrap().to_string()).collect() };
+    let a = texts(&complete(&gateway.url, &body).await);
+    let b = texts(&complete(&gateway.url, &body).await);
+    assert_eq!(a, b, "a seeded request with n = 3 reproduces");
+    assert!(a[0] != a[1] && a[1] != a[2] && a[0] != a[2], "choices are independent samples: {a:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_stops_verify_calls() {
     let verifier = start_verifier().await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "1"]).await;

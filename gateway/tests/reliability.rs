@@ -81,7 +81,8 @@ async fn bad_input_gets_openai_shaped_errors_from_both_servers() {
     all &= bad(gw, "temperature -1", raw(g, chat, user(json!({"temperature": -1}))), 400, Some("temperature")).await;
     all &= bad(gw, "top_p 0", raw(g, chat, user(json!({"top_p": 0}))), 400, Some("top_p")).await;
     all &= bad(gw, "top_p 1.5", raw(g, chat, user(json!({"top_p": 1.5}))), 400, Some("top_p")).await;
-    all &= bad(gw, "n 3", raw(g, chat, user(json!({"n": 3}))), 400, Some("n")).await;
+    all &= bad(gw, "n 0", raw(g, chat, user(json!({"n": 0}))), 400, Some("n")).await;
+    all &= bad(gw, "n 17", raw(g, chat, user(json!({"n": 17}))), 400, Some("n")).await;
     all &= bad(gw, "tools", raw(g, chat, user(json!({"tools": [{"type": "function", "function": {"name": "f"}}]}))), 400, Some("tools")).await;
     all &= bad(
         gw,

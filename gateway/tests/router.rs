@@ -150,6 +150,46 @@ async fn seeded_sampling_reproduces() {
 }
 
 #[tokio::test]
+async fn several_choices_are_independent_generations_with_summed_usage() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "3"]).await;
+    let (status, _, body) = chat(&gateway.url, hello(json!({"n": 3}))).await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(), vec![0, 1, 2]);
+    assert!(choices.iter().all(|c| c["message"]["content"] == SCRIPT), "greedy choices are the target's answer: {v}");
+    let (_, _, one) = chat(&gateway.url, hello(json!({}))).await;
+    let one: Value = serde_json::from_str(&one).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], one["usage"]["completion_tokens"].as_u64().unwrap() * 3);
+    assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+    assert_eq!(v["usage"]["spade"]["verify_calls"], one["usage"]["spade"]["verify_calls"].as_u64().unwrap() * 3);
+
+    // Streamed: each index gets its role, its text and its finish; one usage chunk and one [DONE] at the end.
+    let (_, _, body) = chat(&gateway.url, hello(json!({"n": 2, "stream": true, "stream_options": {"include_usage": true}}))).await;
+    let data = sse_data(&body);
+    assert_eq!(data.iter().filter(|d| *d == "[DONE]").count(), 1);
+    let chunks: Vec<Value> = data[..data.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    for index in 0..2 {
+        let mine: Vec<&Value> = chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|ch| ch["index"] == index)).collect();
+        assert_eq!(mine[0]["choices"][0]["delta"]["role"], "assistant");
+        let text: String = mine.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, SCRIPT, "choice {index}");
+        assert_eq!(mine.iter().filter(|c| !c["choices"][0]["finish_reason"].is_null()).count(), 1);
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], one["usage"]["completion_tokens"].as_u64().unwrap() * 2);
+
+    // Sampled with a seed: the choices differ from each other, and the request reproduces.
+    let sampled = hello(json!({"n": 3, "temperature": 1.0, "seed": 11, "max_tokens": 40}));
+    let texts = |body: &str| -> Vec<Value> {
+        serde_json::from_str::<Value>(body).unwrap()["choices"].as_array().unwrap().iter().map(|c| c["message"]["content"].clone()).collect()
+    };
+    let (a, b) = (texts(&chat(&gateway.url, sampled.clone()).await.2), texts(&chat(&gateway.url, sampled).await.2));
+    assert_eq!(a, b, "a seeded request with n = 3 reproduces");
+    assert!(a[0] != a[1] && a[1] != a[2], "choices should be independent samples: {a:?}");
+}
+
+#[tokio::test]
 async fn finished_generations_free_their_verifier_session() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
@@ -283,7 +323,7 @@ async fn legacy_completions_continue_a_raw_prompt_streamed_and_not() {
         (json!({"prompt": []}), "prompt"),
         (json!({"prompt": [1, 999]}), "prompt"),
         (json!({"prompt": "a", "logprobs": 21}), "logprobs"),
-        (json!({"prompt": "a", "n": 3}), "n"),
+        (json!({"prompt": "a", "n": 0}), "n"),
         (json!({"prompt": "a", "max_tokens": 0}), "max_tokens"),
         (json!({"prompt": "a", "temperature": 9}), "temperature"),
         (json!({"prompt": "a", "max_tokens": 100000}), "prompt"),
@@ -301,7 +341,8 @@ async fn bad_requests_name_the_parameter() {
     let gateway = start_gateway(&verifier.url, &[]).await;
     let cases = [
         (json!({"messages": []}), "messages"),
-        (hello(json!({"n": 2})), "n"),
+        (hello(json!({"n": 0})), "n"),
+        (hello(json!({"n": 17})), "n"),
         (hello(json!({"presence_penalty": 2.5})), "presence_penalty"),
         (hello(json!({"frequency_penalty": -3})), "frequency_penalty"),
         (hello(json!({"repetition_penalty": 0})), "repetition_penalty"),
