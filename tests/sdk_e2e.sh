@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end: the quickstart stack on loopback, driven by the official `openai` Python package and
 # by `curl -N`. Run by scripts/test.sh. Uses the tiny stack (SmolLM2 for both sides) to stay fast;
-# SPADE_STACK=qwen runs it on the default pair.
+# SPADE_STACK=qwen runs it on the default pair. Then tool calling, which needs a chat template that
+# knows tools, on the Qwen pair: the Python SDK's round trip and the `openai` npm package under node.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -40,3 +41,20 @@ spread_ms = (content_times[-1] - content_times[0]) / 1e6
 assert len(content_times) >= 5 and spread_ms > 50, (len(content_times), spread_ms)
 print(f"sdk_e2e: curl -N: {len(content_times)} content chunks over {spread_ms:.0f} ms, [DONE] once; text {text[:60]!r}...")
 PY
+
+# Tool calling on the Qwen pair (SmolLM2's template knows no tools).
+export SPADE_GATEWAY_PORT=$(free_port) SPADE_VERIFIER_PORT=$(free_port) SPADE_STACK=qwen
+bash scripts/quickstart.sh --stop >/dev/null
+bash scripts/quickstart.sh --background >/dev/null 2>&1 || { tail -n 30 "$SPADE_RUN_DIR"/*.log >&2; exit 1; }
+url="http://127.0.0.1:$SPADE_GATEWAY_PORT"
+"$venv/bin/python" tests/openai_tools_check.py "$url/v1" >"$SPADE_RUN_DIR/tools.json"
+echo "sdk_e2e: openai SDK tools (Qwen pair): tool_calls -> tool message -> answer, streamed and not, equal to target-only; parallel_tool_calls"
+node_dir="${SPADE_NODE_DIR:-$HOME/.cache/spade/node}"
+if [ ! -d "$node_dir/node_modules/openai" ]; then
+  mkdir -p "$node_dir"
+  npm install --silent --no-audit --no-fund --prefix "$node_dir" "openai@7.59.0" >/dev/null
+fi
+# ES modules resolve packages next to the script, so it runs from the folder that has them.
+cp tests/openai_js_check.mjs "$node_dir/"
+node "$node_dir/openai_js_check.mjs" "$url/v1" >"$SPADE_RUN_DIR/js.json"
+echo "sdk_e2e: openai npm $(node -p "require('$node_dir/node_modules/openai/package.json').version") under node $(node --version): streamed completion and tool call"

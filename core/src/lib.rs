@@ -5,6 +5,7 @@
 //! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
 //! - [`verify`]: the speculative-sampling rule, general and greedy.
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
+//! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
@@ -23,6 +24,7 @@ pub mod protocol;
 pub mod rng;
 pub mod sampling;
 pub mod text;
+pub mod tools;
 pub mod verify;
 pub mod vllm;
 

@@ -5,6 +5,7 @@ use serde_json::Value;
 use utoipa::ToSchema;
 
 use crate::draft_control;
+use crate::tools::{ToolCall, ToolCallDelta, ToolSpec};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "lowercase")]
@@ -35,10 +36,33 @@ pub enum MessageContent {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ChatMessage {
     pub role: Role,
+    /// May be null for an assistant message with `tool_calls`.
     #[serde(default)]
     pub content: Option<MessageContent>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// The calls an earlier assistant turn made.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// In a `tool` message: the call this is the result of.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+/// A chat message as the chat template sees it (content flattened to text).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Turn {
+    pub role: Option<Role>,
+    pub content: String,
+    pub tool_calls: Vec<ToolCall>,
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+impl Turn {
+    pub fn new(role: Role, content: impl Into<String>) -> Self {
+        Self { role: Some(role), content: content.into(), ..Self::default() }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -72,12 +96,19 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
+    /// Functions the model may call, shown to it through its chat template; its calls come back in
+    /// `message.tool_calls` (Qwen2.5 and Llama 3.1 formats are recognised).
     #[serde(default)]
-    #[schema(value_type = Option<Vec<Object>>)]
+    #[schema(value_type = Option<Vec<ToolSpec>>)]
     pub tools: Option<Value>,
+    /// `none` (calls are not parsed) or `auto`; `required` and a named function need constrained
+    /// decoding and are refused by name.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,
+    /// False: at most one call is returned (generation stops after the first).
+    #[serde(default)]
+    pub parallel_tool_calls: Option<bool>,
     /// Legacy function calling: refused by name (not silently ignored) until tools are supported.
     #[serde(default)]
     #[schema(value_type = Option<Vec<Object>>)]
@@ -265,6 +296,7 @@ impl std::fmt::Display for DraftLen {
 pub enum FinishReason {
     Stop,
     Length,
+    ToolCalls,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -290,7 +322,10 @@ pub struct ChoiceLogprobs {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct AssistantMessage {
     pub role: Role,
-    pub content: String,
+    /// Null when the answer is only tool calls.
+    pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -371,6 +406,8 @@ pub struct Delta {
     pub role: Option<Role>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]

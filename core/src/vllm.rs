@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::openai::ChatMessage;
+use crate::tools::ToolSpec;
 
 /// `POST /tokenize`: either a `prompt` (no chat template) or chat `messages` (through the model's chat
 /// template, the assistant turn opened), not both.
@@ -16,6 +17,10 @@ pub struct TokenizeRequest {
     pub prompt: Option<String>,
     #[serde(default)]
     pub messages: Option<Vec<ChatMessage>>,
+    /// With `messages`: the tools, rendered by the chat template as a chat completion renders them.
+    #[serde(default)]
+    #[schema(value_type = Option<Vec<ToolSpec>>)]
+    pub tools: Option<serde_json::Value>,
     /// With a `prompt`: add the tokenizer's special tokens (its BOS, where it has one). Default true.
     /// With `messages` the template places them, and only false is accepted.
     #[serde(default)]

@@ -16,11 +16,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use either::Either;
+use indexmap::IndexMap;
 use mistralrs::core::{
     AutoDeviceMapParams, Constraint, DefaultSchedulerMethod, DeviceMapSetting, GGUFLoaderBuilder, GGUFSpecificConfig, MistralRsBuilder, ModelDType,
     NormalRequest, Pipeline, Request, RequestMessage, Response, SchedulerConfig, TokenSource,
 };
-use mistralrs::{CustomLogitsProcessor, Model, TextMessageRole, TextMessages};
+use mistralrs::core::{MessageContent, TokenizationRequest};
+use mistralrs::{CustomLogitsProcessor, Model, Tool};
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
 use spade_core::{distribution, DraftToken, History};
@@ -28,7 +30,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, ModelMeta, ModelSource};
-use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role};
+use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {
@@ -110,23 +112,36 @@ impl MistralDrafter {
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
     pub async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
-        <Self as crate::EdgeModel>::encode_chat(self, messages).await
+        let turns: Vec<Turn> = messages.iter().map(|(role, content)| Turn::new(*role, content.clone())).collect();
+        <Self as crate::EdgeModel>::encode_conversation(self, &turns, &[]).await
     }
 
-    async fn apply_chat_template(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
-        let mut m = TextMessages::new();
-        for (role, content) in messages {
-            // Chat templates know no `developer`: it is OpenAI's newer name for the system prompt.
-            let role = match role {
-                Role::System | Role::Developer => TextMessageRole::System,
-                Role::User => TextMessageRole::User,
-                Role::Assistant => TextMessageRole::Assistant,
-                Role::Tool => TextMessageRole::Tool,
-            };
-            m = m.add_message(role, content);
-        }
+    /// mistral.rs renders the template (tools included); the turns go in as the maps templates read.
+    async fn apply_chat_template(&self, turns: &[Turn], tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError> {
+        let messages = turns.iter().map(template_message).collect();
+        let tools = tools
+            .iter()
+            .map(|t| serde_json::to_value(t).and_then(serde_json::from_value::<Tool>))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| EngineError::InvalidRequest(format!("tools: {e}")))?;
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let request = TokenizationRequest {
+            text: Either::Left(messages),
+            tools: (!tools.is_empty()).then_some(tools),
+            add_special_tokens: false,
+            add_generation_prompt: true,
+            enable_thinking: None,
+            reasoning_effort: None,
+            response: tx,
+        };
         let runner = self.runner.read().await;
-        runner.model.tokenize(Either::Left(m), None, false, true, None).await.map_err(|e| EngineError::Drafter(e.to_string()))
+        let sender = runner.model.inner().get_sender(None).map_err(|e| EngineError::Drafter(e.to_string()))?;
+        sender.send(Request::Tokenize(request)).await.map_err(|e| EngineError::Drafter(e.to_string()))?;
+        match rx.recv().await {
+            Some(Ok(ids)) => Ok(ids),
+            Some(Err(e)) => Err(EngineError::InvalidRequest(format!("applying the chat template: {e}"))),
+            None => Err(EngineError::Drafter("the draft engine dropped a tokenization request".into())),
+        }
     }
 
     pub async fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {
@@ -383,10 +398,44 @@ impl Drafter for MistralDrafter {
     }
 }
 
+/// A turn as chat templates read it: `role` and `content`, plus `tool_calls` (arguments as JSON
+/// objects, as Hugging Face templates expect), `tool_call_id` and `name` where set.
+fn template_message(turn: &Turn) -> IndexMap<String, MessageContent> {
+    // Chat templates know no `developer`: it is OpenAI's newer name for the system prompt.
+    let role = match turn.role.unwrap_or(Role::User) {
+        Role::System | Role::Developer => "system",
+        Role::User => "user",
+        Role::Assistant => "assistant",
+        Role::Tool => "tool",
+    };
+    let mut m = IndexMap::from([("role".to_string(), Either::Left(role.to_string())), ("content".to_string(), Either::Left(turn.content.clone()))]);
+    if !turn.tool_calls.is_empty() {
+        let calls = turn
+            .tool_calls
+            .iter()
+            .map(|c| {
+                let arguments = serde_json::from_str(&c.function.arguments).unwrap_or_else(|_| serde_json::Value::String(c.function.arguments.clone()));
+                IndexMap::from([
+                    ("id".to_string(), serde_json::Value::String(c.id.clone())),
+                    ("type".to_string(), serde_json::Value::String("function".into())),
+                    ("function".to_string(), serde_json::json!({"name": c.function.name, "arguments": arguments})),
+                ])
+            })
+            .collect();
+        m.insert("tool_calls".into(), Either::Right(calls));
+    }
+    for (key, value) in [("tool_call_id", &turn.tool_call_id), ("name", &turn.name)] {
+        if let Some(v) = value {
+            m.insert(key.into(), Either::Left(v.clone()));
+        }
+    }
+    m
+}
+
 #[async_trait::async_trait]
 impl crate::EdgeModel for MistralDrafter {
-    async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
-        self.apply_chat_template(messages).await
+    async fn encode_conversation(&self, turns: &[Turn], tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError> {
+        self.apply_chat_template(turns, tools).await
     }
 
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError> {

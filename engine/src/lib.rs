@@ -22,7 +22,8 @@ pub use drafter::MistralDrafter;
 pub use error::EngineError;
 pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
 pub use scorer::CandleScorer;
-pub use spade_core::openai::Role;
+pub use spade_core::openai::{Role, Turn};
+pub use spade_core::tools::ToolSpec;
 pub use spade_core::DraftToken;
 
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
@@ -73,8 +74,9 @@ pub trait Drafter: Send + Sync {
 /// The edge model as the gateway sees it: a drafter that also owns the chat template and tokenizer.
 #[async_trait::async_trait]
 pub trait EdgeModel: Drafter {
-    /// `(role, content)` messages through the model's chat template, with the assistant turn opened.
-    async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError>;
+    /// Chat turns through the model's chat template, with the tools shown to the model and the
+    /// assistant turn opened.
+    async fn encode_conversation(&self, turns: &[Turn], tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError>;
     /// Ids to text, special tokens skipped. Cheap and synchronous: called for every streamed token.
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError>;
     /// Text to ids without a chat template, with the tokenizer's special tokens (BOS) when asked.

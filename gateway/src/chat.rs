@@ -2,10 +2,13 @@
 
 use axum::extract::State;
 use axum::response::Response;
-use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, MessageContent, Role};
+use serde_json::Value;
+use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, MessageContent, Role, Turn};
+use spade_core::tools::ToolSpec;
 use spade_http::Json;
 
 use crate::error::ApiError;
+use crate::generation::{Job, ToolCalls};
 use crate::request::{self, refuse, Decoding, GenerationErrors};
 use crate::respond::Shape;
 use crate::state::AppState;
@@ -13,19 +16,24 @@ use crate::state::AppState;
 /// A request that passed validation; the prompt is not encoded yet.
 #[derive(Debug, Clone)]
 pub struct ValidChat {
-    pub messages: Vec<(Role, String)>,
+    pub turns: Vec<Turn>,
+    /// Shown to the model by its chat template.
+    pub tools: Vec<ToolSpec>,
+    /// How the answer's tool calls are parsed; None: not at all (no tools, or `tool_choice: none`).
+    pub tool_calls: Option<ToolCalls>,
     pub decoding: Decoding,
 }
 
-/// Chat messages as `(role, text)` pairs for the chat template, or the named reason they cannot be.
-pub(crate) fn chat_messages(input: &[ChatMessage]) -> Result<Vec<(Role, String)>, ApiError> {
+/// Chat messages as turns for the chat template, or the named reason they cannot be.
+pub(crate) fn chat_messages(input: &[ChatMessage]) -> Result<Vec<Turn>, ApiError> {
     if input.is_empty() {
         return Err(ApiError::invalid("messages", "messages must contain at least one message"));
     }
-    let mut messages = Vec::with_capacity(input.len());
+    let mut turns: Vec<Turn> = Vec::with_capacity(input.len());
     for (i, m) in input.iter().enumerate() {
-        if m.role == Role::Tool {
-            return Err(refuse(&format!("messages[{i}].role"), "tool messages are not supported (SPADE does not support tools)"));
+        let calls = m.tool_calls.clone().unwrap_or_default();
+        if !calls.is_empty() && m.role != Role::Assistant {
+            return Err(ApiError::invalid(format!("messages[{i}].tool_calls"), "only assistant messages carry tool_calls"));
         }
         let content = match &m.content {
             Some(MessageContent::Text(t)) => t.clone(),
@@ -45,39 +53,87 @@ pub(crate) fn chat_messages(input: &[ChatMessage]) -> Result<Vec<(Role, String)>
                 }
                 text
             }
-            None => return Err(ApiError::invalid(format!("messages[{i}].content"), "every message needs content")),
+            None if !calls.is_empty() => String::new(),
+            None => {
+                return Err(ApiError::invalid(
+                    format!("messages[{i}].content"),
+                    "every message needs content (an assistant message with tool_calls may have none)",
+                ))
+            }
         };
-        messages.push((m.role, content));
+        let mut turn = Turn { role: Some(m.role), content, tool_calls: calls, tool_call_id: m.tool_call_id.clone(), name: m.name.clone() };
+        if m.role == Role::Tool {
+            let id = m
+                .tool_call_id
+                .as_deref()
+                .ok_or_else(|| ApiError::invalid(format!("messages[{i}].tool_call_id"), "a tool message needs the tool_call_id it answers"))?;
+            // Templates that name the function a result came from (Llama 3.1) find it by the call's id.
+            let called = turns.iter().flat_map(|t| &t.tool_calls).find(|c| c.id == id);
+            turn.name = turn.name.or_else(|| called.map(|c| c.function.name.clone()));
+        }
+        turns.push(turn);
     }
-    Ok(messages)
+    Ok(turns)
+}
+
+/// `tools`, each named in errors by its index.
+pub(crate) fn tool_specs(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiError> {
+    let Some(tools) = tools.filter(|t| !t.is_null()) else { return Ok(Vec::new()) };
+    let list = tools.as_array().ok_or_else(|| ApiError::invalid("tools", "tools must be an array of {\"type\": \"function\", \"function\": {...}}"))?;
+    let mut specs = Vec::with_capacity(list.len());
+    for (i, tool) in list.iter().enumerate() {
+        let spec: ToolSpec = serde_json::from_value(tool.clone()).map_err(|e| ApiError::invalid(format!("tools[{i}]"), format!("not a tool: {e}")))?;
+        if spec.kind != "function" {
+            return Err(refuse(&format!("tools[{i}].type"), "only tools of type \"function\" are supported"));
+        }
+        if spec.function.name.is_empty() || specs.iter().any(|s: &ToolSpec| s.function.name == spec.function.name) {
+            return Err(ApiError::invalid(format!("tools[{i}].function.name"), "every tool needs a name of its own"));
+        }
+        specs.push(spec);
+    }
+    Ok(specs)
 }
 
 pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
-    let messages = chat_messages(&req.messages)?;
+    let turns = chat_messages(&req.messages)?;
     if let Some(format) = req.response_format.as_ref().filter(|f| !f.is_null()) {
         if format.get("type").and_then(|t| t.as_str()) != Some("text") {
             return Err(refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)"));
         }
     }
-    if req.tools.as_ref().is_some_and(|t| !t.is_null() && t.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(refuse("tools", "tools are not supported"));
-    }
-    if req.tool_choice.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
-        return Err(refuse("tool_choice", "tool_choice is not supported (only \"none\")"));
-    }
     if req.functions.as_ref().is_some_and(|f| !f.is_null() && f.as_array().is_none_or(|a| !a.is_empty())) {
-        return Err(refuse("functions", "functions (legacy function calling) are not supported"));
+        return Err(refuse("functions", "functions (legacy function calling) are not supported: use tools"));
     }
     if req.function_call.as_ref().is_some_and(|c| !c.is_null() && c.as_str() != Some("none")) {
-        return Err(refuse("function_call", "function_call is not supported (only \"none\")"));
+        return Err(refuse("function_call", "function_call (legacy function calling) is not supported: use tool_choice"));
     }
+    let tools = tool_specs(req.tools.as_ref())?;
+    let choice = req.tool_choice.as_ref().filter(|c| !c.is_null());
+    let tool_calls = match choice.map(|c| c.as_str()) {
+        None | Some(Some("auto")) if !tools.is_empty() => {
+            Some(ToolCalls { parallel: req.parallel_tool_calls.unwrap_or(true), names: tools.iter().map(|t| t.function.name.clone()).collect() })
+        }
+        None | Some(Some("auto")) | Some(Some("none")) => None,
+        Some(Some("required")) => {
+            return Err(refuse("tool_choice", "tool_choice \"required\" needs constrained decoding, which is not built yet: use \"auto\""))
+        }
+        Some(_) if choice.is_some_and(|c| c.get("function").is_some()) => {
+            return Err(refuse("tool_choice", "a named tool_choice needs constrained decoding, which is not built yet: use \"auto\""))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+            ))
+        }
+    };
     let top_logprobs = match (req.logprobs, req.top_logprobs) {
         (false, Some(_)) => return Err(ApiError::invalid("top_logprobs", "top_logprobs needs logprobs: true")),
         (true, n) => request::top_logprobs(Some(n.unwrap_or(0)), "top_logprobs")?,
         (false, None) => None,
     };
     let max_tokens = req.max_completion_tokens.map(|m| ("max_completion_tokens", m));
-    Ok(ValidChat { messages, decoding: request::decoding(req.generation, max_tokens, top_logprobs)? })
+    Ok(ValidChat { turns, tools, tool_calls, decoding: request::decoding(req.generation, max_tokens, top_logprobs)? })
 }
 
 /// Create a chat completion.
@@ -106,8 +162,8 @@ pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<Cha
     // Failures after the generation starts are counted by the generation itself.
     let prepared = async {
         let valid = validate(req)?;
-        let prompt = state.model()?.encode_chat(&valid.messages).await?;
-        let job = request::job(&state, &valid.decoding, prompt, "messages").await?;
+        let prompt = state.model()?.encode_conversation(&valid.turns, &valid.tools).await?;
+        let job = Job { tool_calls: valid.tool_calls.clone(), ..request::job(&state, &valid.decoding, prompt, "messages").await? };
         Ok::<_, ApiError>((valid, job))
     };
     let (valid, job) = prepared.await.inspect_err(|_| state.metrics.record_failure())?;

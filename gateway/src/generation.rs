@@ -8,8 +8,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use rand::Rng;
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
+use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
 use spade_core::{IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
@@ -39,12 +41,31 @@ pub struct Job {
     pub verify: bool,
     /// A seeded sampled request: worth a fresh draft cache so that it reproduces.
     pub reproducible: bool,
+    /// Parse tool calls out of the text (a chat request with tools); None: all text is content.
+    pub tool_calls: Option<ToolCalls>,
+}
+
+/// How a request's tool calls are found and handed over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCalls {
+    /// `parallel_tool_calls`: false ends the generation after the first call.
+    pub parallel: bool,
+    /// The request's tools: a call without `<tool_call>` markers must name one.
+    pub names: Vec<String>,
 }
 
 #[derive(Debug)]
 pub enum Event {
-    Text { text: String, logprobs: Vec<TokenLogprobContent> },
-    Finished { finish: FinishReason, record: Box<GenerationRecord> },
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprobContent>,
+    },
+    /// A complete call found in the text (Qwen's or Llama 3.1's format).
+    ToolCall(ToolCall),
+    Finished {
+        finish: FinishReason,
+        record: Box<GenerationRecord>,
+    },
     Failed(ApiError),
 }
 
@@ -92,13 +113,15 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
     let mut remote = RemoteSession::new(state.clone(), rule, job.seed, job.top_logprobs);
-    let mut output = Output::new(model.clone(), &job.stops, events, started);
+    let mut output = Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
     let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
         LoopError::Engine(e) => ApiError::from(e),
         LoopError::Verifier(VerifyFailure::Unreachable(e)) => ApiError::VerifierUnavailable(e),
         LoopError::Verifier(VerifyFailure::Rejected(e)) => ApiError::VerifierFailed(e),
     })?;
     let finish = match end.finish {
+        // The sink stops at a stop sequence, or after the one call `parallel_tool_calls: false` allows.
+        Finish::Sink if output.calls > 0 => FinishReason::ToolCalls,
         Finish::Sink => FinishReason::Stop,
         Finish::StopToken => output.finish(FinishReason::Stop).await?,
         Finish::Length => output.finish(FinishReason::Length).await?,
@@ -137,11 +160,15 @@ impl Drop for EndsGeneration {
     }
 }
 
-/// Committed tokens to streamed text: detokenised incrementally, cut at stop sequences, with logprobs.
+/// Committed tokens to streamed text: detokenised incrementally, cut at stop sequences, with logprobs,
+/// and tool calls taken out of it when the request has tools.
 struct Output {
     model: Arc<dyn EdgeModel>,
     decoder: IncrementalDecoder,
     stops: StopMatcher,
+    tools: Option<(ToolCallParser, ToolCalls)>,
+    /// Tool calls handed over so far.
+    calls: usize,
     /// Logprobs of tokens whose text is not sent yet.
     pending_logprobs: Vec<TokenLogprobContent>,
     events: mpsc::Sender<Event>,
@@ -150,9 +177,10 @@ struct Output {
 }
 
 impl Output {
-    fn new(model: Arc<dyn EdgeModel>, stops: &[String], events: mpsc::Sender<Event>, started: Instant) -> Self {
+    fn new(model: Arc<dyn EdgeModel>, stops: &[String], tools: Option<ToolCalls>, events: mpsc::Sender<Event>, started: Instant) -> Self {
         let stops = StopMatcher::new(stops.to_vec());
-        Self { model, decoder: IncrementalDecoder::new(), stops, pending_logprobs: Vec::new(), events, started, ttft: None }
+        let tools = tools.map(|t| (ToolCallParser::new(t.names.clone()), t));
+        Self { model, decoder: IncrementalDecoder::new(), stops, tools, calls: 0, pending_logprobs: Vec::new(), events, started, ttft: None }
     }
 
     /// Flushes held-back text and ends (with `stop` after all if that text completes a stop sequence).
@@ -164,17 +192,51 @@ impl Output {
             step.emit.push_str(&self.stops.finish());
         }
         self.send_text(step.emit).await;
-        Ok(if step.stopped { FinishReason::Stop } else { finish })
+        let held = self.tools.as_mut().map(|(parser, _)| parser.finish()).unwrap_or_default();
+        self.send(held).await;
+        Ok(match (self.calls, step.stopped) {
+            (1.., _) => FinishReason::ToolCalls,
+            (0, true) => FinishReason::Stop,
+            (0, false) => finish,
+        })
     }
 
-    async fn send_text(&mut self, text: String) {
-        if text.is_empty() {
-            return;
+    /// Sends text on, through the tool-call parser when there is one. Returns whether generation
+    /// should stop (a call made under `parallel_tool_calls: false`).
+    async fn send_text(&mut self, text: String) -> bool {
+        match &mut self.tools {
+            Some((parser, _)) => {
+                let outputs = parser.push(&text);
+                self.send(outputs).await
+            }
+            None => self.send(vec![ToolOutput::Text(text)]).await,
         }
-        self.ttft.get_or_insert_with(|| self.started.elapsed());
-        let logprobs = std::mem::take(&mut self.pending_logprobs);
-        // A closed channel means the client left; the generation is dropped right after.
-        let _ = self.events.send(Event::Text { text, logprobs }).await;
+    }
+
+    /// `parallel_tool_calls: false`.
+    fn single_call(&self) -> bool {
+        self.tools.as_ref().is_some_and(|(_, t)| !t.parallel)
+    }
+
+    async fn send(&mut self, outputs: Vec<ToolOutput>) -> bool {
+        for output in outputs {
+            let event = match output {
+                ToolOutput::Text(text) if text.is_empty() => continue,
+                ToolOutput::Text(text) => Event::Text { text, logprobs: std::mem::take(&mut self.pending_logprobs) },
+                ToolOutput::Call { name, arguments } => {
+                    if self.calls > 0 && self.single_call() {
+                        continue;
+                    }
+                    self.calls += 1;
+                    let id = format!("call_{:024x}", rand::rng().random::<u128>() >> 32);
+                    Event::ToolCall(ToolCall { id, kind: "function".into(), function: FunctionCall { name, arguments } })
+                }
+            };
+            self.ttft.get_or_insert_with(|| self.started.elapsed());
+            // A closed channel means the client left; the generation is dropped right after.
+            let _ = self.events.send(event).await;
+        }
+        self.calls > 0 && self.single_call()
     }
 
     fn logprob_content(&self, lp: &TokenLogprob) -> Result<TokenLogprobContent, EngineError> {
@@ -203,7 +265,7 @@ impl TokenSink for Output {
         let model = self.model.clone();
         let text = self.decoder.push(token, |ids| model.decode(ids))?;
         let step = self.stops.push(text.as_deref().unwrap_or(""));
-        self.send_text(step.emit).await;
-        Ok(if step.stopped { Flow::Stop } else { Flow::Continue })
+        let called = self.send_text(step.emit).await;
+        Ok(if step.stopped || called { Flow::Stop } else { Flow::Continue })
     }
 }

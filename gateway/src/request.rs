@@ -218,6 +218,7 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         draft_len,
         verify,
         reproducible: d.seed.is_some() && !d.sampling.is_greedy(),
+        tool_calls: None,
     })
 }
 

@@ -14,6 +14,7 @@ use spade_core::openai::{
     AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason, Role,
     SpadeTiming, SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
 };
+use spade_core::tools::{FunctionCallDelta, ToolCall, ToolCallDelta};
 
 use crate::error::ApiError;
 use crate::generation::Event;
@@ -39,6 +40,8 @@ pub struct Meta {
     shape: Shape,
     /// Characters of text sent so far per choice, echo included (legacy `text_offset`).
     offsets: Vec<u32>,
+    /// Tool calls streamed so far per choice.
+    calls: Vec<u32>,
 }
 
 impl Meta {
@@ -55,6 +58,7 @@ impl Meta {
             logprobs,
             shape,
             offsets: vec![0; choices],
+            calls: vec![0; choices],
         }
     }
 
@@ -136,7 +140,7 @@ impl Meta {
         match self.shape.clone() {
             Shape::Chat => (0..n)
                 .map(|index| {
-                    let delta = Delta { role: Some(Role::Assistant), content: Some(String::new()) };
+                    let delta = Delta { role: Some(Role::Assistant), content: Some(String::new()), tool_calls: None };
                     self.chat_chunk(vec![ChunkChoice { index, delta, logprobs: None, finish_reason: None }], None)
                 })
                 .collect(),
@@ -154,13 +158,31 @@ impl Meta {
         match self.shape {
             Shape::Chat => {
                 let logprobs = self.logprobs.then_some(ChoiceLogprobs { content: logprobs });
-                self.chat_chunk(vec![ChunkChoice { index, delta: Delta { role: None, content: Some(text) }, logprobs, finish_reason: None }], None)
+                self.chat_chunk(vec![ChunkChoice { index, delta: Delta { content: Some(text), ..Delta::default() }, logprobs, finish_reason: None }], None)
             }
             Shape::Text { .. } => {
                 let logprobs = self.text_logprobs(index, &logprobs, &text);
                 self.text_chunk(vec![TextChoice { text, index, logprobs, finish_reason: None }], None)
             }
         }
+    }
+
+    /// A call as OpenAI streams one: id, type and name with empty arguments, then the arguments.
+    fn tool_call(&mut self, index: u32, call: ToolCall) -> Vec<Value> {
+        let position = &mut self.calls[index as usize];
+        let (at, delta) = (*position, |call: ToolCallDelta| Delta { tool_calls: Some(vec![call]), ..Delta::default() });
+        *position += 1;
+        let head = ToolCallDelta {
+            index: at,
+            id: Some(call.id),
+            kind: Some(call.kind),
+            function: FunctionCallDelta { name: Some(call.function.name), arguments: Some(String::new()) },
+        };
+        let arguments = ToolCallDelta { index: at, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: Some(call.function.arguments) } };
+        [head, arguments]
+            .into_iter()
+            .map(|d| self.chat_chunk(vec![ChunkChoice { index, delta: delta(d), logprobs: None, finish_reason: None }], None))
+            .collect()
     }
 
     fn finish(&self, index: u32, finish: FinishReason) -> Value {
@@ -188,7 +210,12 @@ impl Meta {
                     .zip(0..)
                     .map(|(c, index)| Choice {
                         index,
-                        message: AssistantMessage { role: Role::Assistant, content: c.content },
+                        message: AssistantMessage {
+                            role: Role::Assistant,
+                            // OpenAI sends null content beside tool calls when there is no text.
+                            content: (c.calls.is_empty() || !c.content.trim().is_empty()).then_some(c.content),
+                            tool_calls: (!c.calls.is_empty()).then_some(c.calls),
+                        },
                         logprobs: self.logprobs.then_some(ChoiceLogprobs { content: c.logprobs }),
                         finish_reason: c.finish,
                     })
@@ -230,6 +257,7 @@ impl Meta {
 /// One choice, generated to the end.
 struct Collected {
     content: String,
+    calls: Vec<ToolCall>,
     logprobs: Vec<TokenLogprobContent>,
     finish: FinishReason,
     record: GenerationRecord,
@@ -241,7 +269,7 @@ pub type Events = futures::stream::BoxStream<'static, (u32, Event)>;
 /// Collects every choice to its end into one answer object. A failure in any fails the request.
 pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> {
     let n = meta.offsets.len();
-    let mut text = vec![(String::new(), Vec::new()); n];
+    let mut text = vec![(String::new(), Vec::new(), Vec::new()); n];
     let mut done: Vec<Option<Collected>> = (0..n).map(|_| None).collect();
     while done.iter().any(Option::is_none) {
         match events.next().await {
@@ -249,9 +277,10 @@ pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> 
                 text[i as usize].0.push_str(&t);
                 text[i as usize].1.extend(logprobs);
             }
+            Some((i, Event::ToolCall(call))) => text[i as usize].2.push(call),
             Some((i, Event::Finished { finish, record })) => {
-                let (content, logprobs) = std::mem::take(&mut text[i as usize]);
-                done[i as usize] = Some(Collected { content, logprobs, finish, record: *record });
+                let (content, logprobs, calls) = std::mem::take(&mut text[i as usize]);
+                done[i as usize] = Some(Collected { content, calls, logprobs, finish, record: *record });
             }
             Some((_, Event::Failed(e))) => return Err(e),
             None => return Err(ApiError::Internal("a generation ended without a result".into())),
@@ -274,6 +303,7 @@ pub fn stream(mut meta: Meta, events: Events, include_usage: bool, keep_alive: D
         let (mut meta, mut events, mut records) = state?;
         let out = match events.next().await {
             Some((i, Event::Text { text, logprobs })) => vec![data(&meta.text(i, text, logprobs))],
+            Some((i, Event::ToolCall(call))) => meta.tool_call(i, call).iter().map(data).collect(),
             Some((i, Event::Finished { finish, record })) => {
                 records[i as usize] = Some(*record);
                 let mut out = vec![data(&meta.finish(i, finish))];

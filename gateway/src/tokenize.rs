@@ -6,7 +6,7 @@ use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, T
 use spade_core::ErrorBody;
 use spade_http::Json;
 
-use crate::chat::chat_messages;
+use crate::chat::{chat_messages, tool_specs};
 use crate::error::ApiError;
 use crate::request::refuse;
 use crate::state::AppState;
@@ -31,7 +31,7 @@ pub async fn tokenize(State(state): State<AppState>, Json(req): Json<TokenizeReq
             if req.add_special_tokens == Some(true) {
                 return Err(refuse("add_special_tokens", "with messages the chat template places special tokens: add_special_tokens must be false"));
             }
-            model.encode_chat(&chat_messages(messages)?).await?
+            model.encode_conversation(&chat_messages(messages)?, &tool_specs(req.tools.as_ref())?).await?
         }
         (Some(_), Some(_)) => return Err(ApiError::invalid("messages", "give either prompt or messages, not both")),
         (None, None) => return Err(ApiError::invalid("prompt", "give a prompt (text) or messages (chat)")),

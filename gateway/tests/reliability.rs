@@ -83,7 +83,7 @@ async fn bad_input_gets_openai_shaped_errors_from_both_servers() {
     all &= bad(gw, "top_p 1.5", raw(g, chat, user(json!({"top_p": 1.5}))), 400, Some("top_p")).await;
     all &= bad(gw, "n 0", raw(g, chat, user(json!({"n": 0}))), 400, Some("n")).await;
     all &= bad(gw, "n 17", raw(g, chat, user(json!({"n": 17}))), 400, Some("n")).await;
-    all &= bad(gw, "tools", raw(g, chat, user(json!({"tools": [{"type": "function", "function": {"name": "f"}}]}))), 400, Some("tools")).await;
+    all &= bad(gw, "tools not a list", raw(g, chat, user(json!({"tools": {"type": "function"}}))), 400, Some("tools")).await;
     all &= bad(
         gw,
         "prompt longer than the context",

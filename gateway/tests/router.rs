@@ -336,6 +336,29 @@ async fn legacy_completions_continue_a_raw_prompt_streamed_and_not() {
 }
 
 #[tokio::test]
+async fn a_tool_conversation_is_accepted_and_plain_text_stays_content() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let call = json!({"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}});
+    let body = json!({
+        "temperature": 0,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "parallel_tool_calls": false,
+        "messages": [
+            {"role": "user", "content": "call f"},
+            {"role": "assistant", "content": null, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+        ]
+    });
+    let (status, _, text) = chat(&gateway.url, body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["choices"][0]["message"]["content"], SCRIPT);
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none(), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;
@@ -352,8 +375,16 @@ async fn bad_requests_name_the_parameter() {
         (hello(json!({"logit_bias": {"257": 1}})), "logit_bias"),
         (hello(json!({"logit_bias": [1, 2]})), "logit_bias"),
         (hello(json!({"response_format": {"type": "json_object"}})), "response_format"),
-        (hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})), "tools"),
-        (hello(json!({"tool_choice": "auto"})), "tool_choice"),
+        (hello(json!({"tools": {"type": "function"}})), "tools"),
+        (hello(json!({"tools": [{"type": "function", "function": {"description": "no name"}}]})), "tools[0]"),
+        (hello(json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})), "tools[0].type"),
+        (hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {"name": "f"}}]})), "tools[1].function.name"),
+        (hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"})), "tool_choice"),
+        (
+            hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "f"}}})),
+            "tool_choice",
+        ),
+        (hello(json!({"tool_choice": "sometimes"})), "tool_choice"),
         (hello(json!({"functions": [{"name": "f", "parameters": {}}]})), "functions"),
         (hello(json!({"function_call": "auto"})), "function_call"),
         (hello(json!({"temperature": 2.5})), "temperature"),
@@ -366,7 +397,12 @@ async fn bad_requests_name_the_parameter() {
         (hello(json!({"stream_options": {"include_usage": true}})), "stream_options"),
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), "messages[0].content[0].type"),
         (json!({"messages": [{"role": "user"}]}), "messages[0].content"),
-        (json!({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}), "messages[0].role"),
+        (json!({"messages": [{"role": "tool", "content": "x"}]}), "messages[0].tool_call_id"),
+        (
+            json!({"messages": [{"role": "user", "content": "x", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}),
+            "messages[0].tool_calls",
+        ),
+        (json!({"messages": [{"role": "assistant", "content": null}]}), "messages[0].content"),
     ];
     for (body, param) in cases {
         let (status, _, text) = chat(&gateway.url, body.clone()).await;

@@ -88,7 +88,7 @@ pub mod bytes {
     use std::sync::Arc;
 
     use spade_core::{DraftToken, SparseDist};
-    use spade_engine::{DraftParams, Drafter, EdgeModel, EngineError, ModelMeta, Role};
+    use spade_engine::{DraftParams, Drafter, EdgeModel, EngineError, ModelMeta, Role, ToolSpec, Turn};
 
     use super::FakeScorer;
 
@@ -152,9 +152,12 @@ pub mod bytes {
 
     #[async_trait::async_trait]
     impl EdgeModel for FakeEdge {
-        async fn encode_chat(&self, messages: &[(Role, String)]) -> Result<Vec<u32>, EngineError> {
-            let mut ids: Vec<u32> =
-                messages.iter().flat_map(|(r, c)| format!("{}: {c}\n", format!("{r:?}").to_lowercase()).into_bytes()).map(u32::from).collect();
+        async fn encode_conversation(&self, turns: &[Turn], _tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError> {
+            let mut ids: Vec<u32> = turns
+                .iter()
+                .flat_map(|t| format!("{}: {}\n", format!("{:?}", t.role.unwrap_or(Role::User)).to_lowercase(), t.content).into_bytes())
+                .map(u32::from)
+                .collect();
             ids.push(TURN);
             Ok(ids)
         }

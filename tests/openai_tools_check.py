@@ -1,0 +1,76 @@
+"""Tool calling through a running SPADE gateway with the official `openai` package (tests/sdk_e2e.sh
+runs it against the Qwen pair, whose chat template knows tools).
+
+The round trip an agent makes: tools -> tool_calls -> a tool message with the result -> the final
+answer, non-streamed and streamed; each answer equal to target-only decoding (spade.draft_len 0)
+under greedy decoding; parallel_tool_calls false; a refused tool_choice named in the error.
+"""
+import json
+import sys
+
+import openai
+from openai import OpenAI
+
+client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=600)
+tools = [{"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}]
+# Without the system prompt Qwen2.5-Coder-1.5B calls the tool again after its result (as it does
+# target-only: that is the model, reproduced exactly).
+messages = [{"role": "system", "content": "When a tool response is available, reply with the final answer and do not call tools again."},
+            {"role": "user", "content": "What is 1234 times 5678?"}]
+common = dict(model="spade", temperature=0, max_tokens=120, tools=tools)
+target_only = {"spade": {"draft_len": 0}}
+report = {}
+
+first = client.chat.completions.create(messages=messages, **common)
+choice = first.choices[0]
+assert choice.finish_reason == "tool_calls", first
+call = choice.message.tool_calls[0]
+assert call.type == "function" and call.function.name == "multiply" and call.id, call
+assert json.loads(call.function.arguments) == {"a": 1234, "b": 5678}, call.function.arguments
+reference = client.chat.completions.create(messages=messages, extra_body=target_only, **common).choices[0].message
+assert [(c.function.name, c.function.arguments) for c in reference.tool_calls] == [(call.function.name, call.function.arguments)], reference
+report["call"] = call.function.model_dump()
+
+# Streamed: the call arrives as delta.tool_calls pieces that add up to the same call.
+pieces = {}
+finish = None
+for chunk in client.chat.completions.create(messages=messages, stream=True, **common):
+    for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+        entry = pieces.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = entry["id"] or delta.id
+        entry["name"] += delta.function.name or ""
+        entry["arguments"] += delta.function.arguments or ""
+    if chunk.choices and chunk.choices[0].finish_reason:
+        finish = chunk.choices[0].finish_reason
+assert finish == "tool_calls", finish
+assert [(p["name"], p["arguments"]) for p in pieces.values()] == [(call.function.name, call.function.arguments)], pieces
+assert all(p["id"] for p in pieces.values()), pieces
+
+# The result goes back as a tool message; the answer uses it.
+followup = messages + [choice.message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": "7006652"}]
+answer = client.chat.completions.create(messages=followup, **common)
+text = answer.choices[0].message.content
+assert answer.choices[0].finish_reason == "stop" and text and "7006652" in text, answer
+assert client.chat.completions.create(messages=followup, extra_body=target_only, **common).choices[0].message.content == text
+streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(messages=followup, stream=True, **common) if c.choices)
+assert streamed == text, (streamed, text)
+report["answer"] = text
+
+# Two questions: two calls (here as bare JSON objects, one per line), one when parallel calls are off.
+two = messages[:1] + [{"role": "user", "content": "What is 12 times 34? And what is 56 times 78?"}]
+both = client.chat.completions.create(messages=two, **common).choices[0]
+assert [json.loads(c.function.arguments) for c in both.message.tool_calls] == [{"a": 12, "b": 34}, {"a": 56, "b": 78}], both
+single = client.chat.completions.create(messages=two, parallel_tool_calls=False, **common).choices[0]
+assert [json.loads(c.function.arguments) for c in single.message.tool_calls] == [{"a": 12, "b": 34}], single
+assert single.finish_reason == "tool_calls", single
+report["parallel"] = [len(both.message.tool_calls), len(single.message.tool_calls)]
+
+try:
+    client.chat.completions.create(messages=messages, tool_choice="required", **common)
+    raise AssertionError("tool_choice required was accepted")
+except openai.BadRequestError as e:
+    assert e.body["param"] == "tool_choice", e.body
+print(json.dumps(report, indent=1))
