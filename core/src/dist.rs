@@ -9,6 +9,10 @@ use thiserror::Error;
 /// How far the sum of a distribution may stray from 1 (f32 rounding over a 150k-token vocabulary).
 pub const SUM_TOLERANCE: f64 = 1e-3;
 
+/// Units of a quantised distribution: every probability a multiple of 1/4096. Exact in `f32`, so
+/// a quantised q drawn from, sent as counts and rebuilt on the verifier is the same q.
+pub const Q_UNITS: u32 = 4096;
+
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum DistError {
     #[error("distribution is empty")]
@@ -120,6 +124,41 @@ impl SparseDist {
         self.entries[self.entries.len() - 1].0
     }
 
+    /// The nearest distribution whose probabilities are multiples of 1/[`Q_UNITS`] (largest
+    /// remainder rounding; ties to the lower id). Entries that round to 0 leave the support, so what
+    /// is drawn from and sent is small and exact; a dropped entry costs at most 1/4096 of acceptance.
+    pub fn quantized(&self) -> Self {
+        let units = Q_UNITS as f64;
+        let scaled: Vec<(u32, f64)> = self.entries.iter().map(|&(t, p)| (t, p as f64 / self.total * units)).collect();
+        let mut counts: Vec<(u32, u32)> = scaled.iter().map(|&(t, x)| (t, x.floor() as u32)).collect();
+        let short = Q_UNITS - counts.iter().map(|c| c.1).sum::<u32>();
+        let mut by_remainder: Vec<usize> = (0..scaled.len()).collect();
+        by_remainder.sort_by(|&a, &b| (scaled[b].1 - scaled[b].1.floor()).total_cmp(&(scaled[a].1 - scaled[a].1.floor())).then(a.cmp(&b)));
+        for &i in by_remainder.iter().take(short as usize) {
+            counts[i].1 += 1;
+        }
+        Self::from_counts(counts)
+    }
+
+    /// Probabilities `count / Q_UNITS` from counts summing to [`Q_UNITS`] (zero counts dropped).
+    fn from_counts(counts: Vec<(u32, u32)>) -> Self {
+        let entries: Vec<(u32, f32)> = counts.into_iter().filter(|c| c.1 > 0).map(|(t, c)| (t, c as f32 / Q_UNITS as f32)).collect();
+        Self { entries, total: 1.0 }
+    }
+
+    /// The counts of a quantised distribution (None if some probability is not a multiple of 1/4096).
+    pub fn counts(&self) -> Option<Vec<(u32, u32)>> {
+        let counts: Vec<(u32, u32)> = self
+            .entries
+            .iter()
+            .map(|&(t, p)| {
+                let c = p * Q_UNITS as f32;
+                (c.fract() == 0.0 && c >= 1.0).then_some((t, c as u32))
+            })
+            .collect::<Option<_>>()?;
+        (counts.iter().map(|c| c.1).sum::<u32>() == Q_UNITS).then_some(counts)
+    }
+
     /// The `n` most probable entries, most probable first (ties: lowest id first).
     pub fn top(&self, n: usize) -> Vec<(u32, f32)> {
         let mut v = self.entries.clone();
@@ -143,6 +182,24 @@ mod tests {
         assert_eq!(SparseDist::new(vec![(3, 0.5), (3, 0.5)], None), Err(DistError::Duplicate { token: 3 }));
         assert!(matches!(SparseDist::new(vec![(1, 0.5), (2, 0.4)], None), Err(DistError::NotNormalized { .. })));
         assert_eq!(SparseDist::new(vec![(10, 1.0)], Some(10)), Err(DistError::OutOfVocab { token: 10, vocab_size: 10 }));
+    }
+
+    #[test]
+    fn quantised_distributions_are_exact_multiples_and_close() {
+        let d = SparseDist::new(vec![(1, 0.5), (4, 0.3), (9, 0.1999), (12, 0.0001)], None).unwrap();
+        let q = d.quantized();
+        let counts = q.counts().unwrap();
+        assert_eq!(counts.iter().map(|c| c.1).sum::<u32>(), Q_UNITS);
+        assert_eq!(counts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1, 4, 9], "0.0001 rounds to no units");
+        for &(t, _) in q.entries() {
+            assert!((q.prob(t) - d.prob(t)).abs() <= 1.0 / Q_UNITS as f64);
+        }
+        assert_eq!(q.quantized(), q, "quantising is idempotent");
+        assert_eq!(SparseDist::from_counts(counts), q);
+        assert_eq!(SparseDist::point(3).counts(), Some(vec![(3, Q_UNITS)]));
+        assert_eq!(d.counts(), None);
+        // Validation accepts it as it is: the sum is exactly 1.
+        assert_eq!(SparseDist::new(q.entries().to_vec(), None).unwrap(), q);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering both servers use.
+//! - [`wire`]: the compact binary form of `/verify`.
 //! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
 //!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
 
@@ -27,6 +28,7 @@ pub mod text;
 pub mod tools;
 pub mod verify;
 pub mod vllm;
+pub mod wire;
 
 pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};

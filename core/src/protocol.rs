@@ -114,3 +114,6 @@ pub struct ModelInfo {
 
 /// `VerifyRequest::penalties` is honoured.
 pub const FEATURE_PENALTIES: &str = "penalties";
+
+/// `/verify` takes and gives the binary form of [`crate::wire`].
+pub const FEATURE_BINARY: &str = "binary";

@@ -304,7 +304,8 @@ impl CustomLogitsProcessor for Recorder {
         if let Some(history) = &history {
             history.apply(&mut logits_vec);
         }
-        let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        // Drawn from the quantised q, so the q sent (compact on the wire) is exactly the one drawn from.
+        let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?.quantized();
         let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
         if let Some(history) = &mut history {
             history.push(token);

@@ -95,10 +95,21 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_KEEP_ALIVE_SECS", default_value_t = 10)]
     pub keep_alive_secs: u64,
 
+    /// How verify calls travel: `binary` (compact, when the verifier offers it; JSON otherwise) or
+    /// `json` (readable, for debugging).
+    #[arg(long, env = "SPADE_GATEWAY_VERIFY_WIRE", value_enum, default_value_t = VerifyWire::Binary)]
+    pub verify_wire: VerifyWire,
+
     /// Browser origins allowed to call the gateway (CORS), comma-separated, e.g.
     /// `https://app.example.com`; `*` allows any. None by default: browsers get no CORS headers.
     #[arg(long, env = "SPADE_GATEWAY_CORS_ALLOW_ORIGIN", value_delimiter = ',')]
     pub cors_allow_origin: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum VerifyWire {
+    Binary,
+    Json,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

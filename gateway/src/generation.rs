@@ -43,6 +43,8 @@ pub struct Job {
     pub reproducible: bool,
     /// Parse tool calls out of the text (a chat request with tools); None: all text is content.
     pub tool_calls: Option<ToolCalls>,
+    /// Verify calls in the compact binary form (the verifier offers it and `--verify-wire binary`).
+    pub binary: bool,
 }
 
 /// How a request's tool calls are found and handed over.
@@ -112,7 +114,7 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         start_degraded: !job.verify,
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
-    let mut remote = RemoteSession::new(state.clone(), rule, job.seed, job.top_logprobs);
+    let mut remote = RemoteSession::new(state.clone(), rule, job.seed, job.top_logprobs, job.binary);
     let mut output = Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
     let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
         LoopError::Engine(e) => ApiError::from(e),

@@ -9,14 +9,14 @@ use rand::Rng;
 use serde_json::Value;
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::{DraftLen, GenerationFields, StopSequences};
-use spade_core::protocol::FEATURE_PENALTIES;
+use spade_core::protocol::{FEATURE_BINARY, FEATURE_PENALTIES};
 use spade_core::rng::choice_seed;
 use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
 use spade_engine::speculative::DraftLength;
 use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
 
-use crate::config::OfflineFallback;
+use crate::config::{OfflineFallback, VerifyWire};
 use crate::error::ApiError;
 use crate::generation::{self, Event, Job};
 use crate::respond::{self, Shape};
@@ -169,18 +169,19 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
     let model = state.model()?.clone();
     d.penalties.validate(model.meta().vocab_size).map_err(invalid_sampling)?;
     let max_draft_len = state.settings.max_draft_len;
-    let (max_context, max_draft, verify) = match state.verifier_info().await {
+    let (max_context, max_draft, verify, binary) = match state.verifier_info().await {
         Ok(info) => {
             if !d.penalties.is_noop() && !info.features.iter().any(|f| f == FEATURE_PENALTIES) {
                 let message =
                     "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it";
                 return Err(refuse(penalty_param(&d.penalties), message));
             }
-            (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true)
+            let binary = state.settings.verify_wire == VerifyWire::Binary && info.features.iter().any(|f| f == FEATURE_BINARY);
+            (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true, binary)
         }
         Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
-            (model.meta().max_context as usize, max_draft_len, false)
+            (model.meta().max_context as usize, max_draft_len, false, false)
         }
         Err(e) => return Err(e),
     };
@@ -219,6 +220,7 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         verify,
         reproducible: d.seed.is_some() && !d.sampling.is_greedy(),
         tool_calls: None,
+        binary,
     })
 }
 

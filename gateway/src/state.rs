@@ -10,7 +10,7 @@ use spade_core::protocol::ModelInfo;
 use spade_engine::EdgeModel;
 use spade_http::{HttpSettings, ModelSlot};
 
-use crate::config::{Config, OfflineFallback};
+use crate::config::{Config, OfflineFallback, VerifyWire};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::verifier::{CallError, VerifierClient};
@@ -27,6 +27,7 @@ pub struct Settings {
     pub fallback: OfflineFallback,
     pub model_name: String,
     pub keep_alive: Duration,
+    pub verify_wire: VerifyWire,
     /// `--cors-allow-origin`: empty for none.
     pub cors_allow_origin: Vec<String>,
 }
@@ -72,6 +73,7 @@ impl Gateway {
                 model_name: config.model_name.clone(),
                 keep_alive: Duration::from_secs(config.keep_alive_secs),
                 cors_allow_origin: config.cors_allow_origin.clone(),
+                verify_wire: config.verify_wire,
             },
             draft_estimates: Arc::default(),
             metrics: Metrics::default(),

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use reqwest::StatusCode;
 use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken};
+use spade_core::wire::{decode_response, encode_request, BINARY_CONTENT_TYPE};
 use spade_core::DraftToken;
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{BlockVerifier, Verified, VerifyFailure};
@@ -93,8 +94,13 @@ impl VerifierClient {
         }
     }
 
-    pub async fn verify(&self, request: &VerifyRequest) -> Result<Exchange, CallError> {
-        let body = serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?;
+    /// One verify call, retried; `binary` sends and asks for the compact form of `spade_core::wire`.
+    pub async fn verify(&self, request: &VerifyRequest, binary: bool) -> Result<Exchange, CallError> {
+        let (body, content_type) = if binary {
+            (encode_request(request), BINARY_CONTENT_TYPE)
+        } else {
+            (serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?, "application/json")
+        };
         let mut last = String::new();
         for attempt in 0..=self.retries {
             if attempt > 0 {
@@ -103,7 +109,8 @@ impl VerifierClient {
             let started = Instant::now();
             let sent = self
                 .request(reqwest::Method::POST, "/verify")
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
+                .header(reqwest::header::CONTENT_TYPE, content_type)
+                .header(reqwest::header::ACCEPT, content_type)
                 .body(body.clone())
                 .timeout(self.verify_timeout)
                 .send()
@@ -118,7 +125,12 @@ impl VerifierClient {
                     match response.bytes().await {
                         Err(e) => last = describe(&e),
                         Ok(bytes) if status == StatusCode::OK => {
-                            let response = serde_json::from_slice(&bytes).map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
+                            let response = if binary {
+                                decode_response(&bytes).map_err(|e| e.to_string())
+                            } else {
+                                serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+                            };
+                            let response = response.map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
                             return Ok(Exchange { response, bytes_sent: body.len() as u64, bytes_received: bytes.len() as u64, latency: started.elapsed() });
                         }
                         Ok(_) if status == StatusCode::CONFLICT => return Err(CallError::ResendContext),
@@ -169,6 +181,7 @@ pub struct RemoteSession {
     rule: TargetRule,
     seed: u64,
     top_logprobs: Option<u8>,
+    binary: bool,
     /// Tokens of the context the verifier's session holds; 0 sends the full context.
     synced: usize,
     /// A call was sent: the verifier may hold a session to free at the end.
@@ -178,9 +191,12 @@ pub struct RemoteSession {
 }
 
 impl RemoteSession {
-    pub fn new(state: AppState, rule: TargetRule, seed: u64, top_logprobs: Option<u8>) -> Self {
-        let id = format!("gw-{:032x}", rand::rng().random::<u128>());
-        Self { state, id, rule, seed, top_logprobs, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
+    pub fn new(state: AppState, rule: TargetRule, seed: u64, top_logprobs: Option<u8>, binary: bool) -> Self {
+        // 72 random bits in 12 URL-safe characters: unique enough, and short, since every call carries it.
+        const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        let bits: u128 = rand::rng().random();
+        let id = (0..12).map(|i| ALPHABET[(bits >> (6 * i)) as usize & 63] as char).collect();
+        Self { state, id, rule, seed, top_logprobs, binary, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
     }
 }
 
@@ -199,7 +215,7 @@ impl BlockVerifier for RemoteSession {
                 top_logprobs: self.top_logprobs,
             };
             self.opened = true;
-            let exchange = match self.state.verifier.verify(&request).await {
+            let exchange = match self.state.verifier.verify(&request, self.binary).await {
                 Err(CallError::ResendContext) if self.synced > 0 => {
                     tracing::info!("verifier lost the session; resending the full context");
                     self.synced = 0;

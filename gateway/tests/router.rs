@@ -359,6 +359,21 @@ async fn a_tool_conversation_is_accepted_and_plain_text_stays_content() {
 }
 
 #[tokio::test]
+async fn the_binary_wire_is_the_default_and_answers_like_json() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let mut answers = Vec::new();
+    for wire in ["binary", "json"] {
+        let gateway = start_gateway(&verifier.url, &["--draft-len", "3", "--verify-wire", wire]).await;
+        let (status, _, body) = chat(&gateway.url, hello(json!({}))).await;
+        assert_eq!(status, 200, "{body}");
+        answers.push(serde_json::from_str::<Value>(&body).unwrap());
+    }
+    assert_eq!(answers[0]["choices"], answers[1]["choices"]);
+    let sent = |v: &Value| v["usage"]["spade"]["bytes_sent"].as_u64().unwrap() + v["usage"]["spade"]["bytes_received"].as_u64().unwrap();
+    assert!(sent(&answers[0]) * 3 < sent(&answers[1]), "binary {} bytes vs JSON {}", sent(&answers[0]), sent(&answers[1]));
+}
+
+#[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &[]).await;

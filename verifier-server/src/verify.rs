@@ -2,9 +2,12 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Path, Request, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
+use spade_core::wire::{decode_request, encode_response, BINARY_CONTENT_TYPE};
 use spade_core::{DraftToken, ErrorBody};
 use spade_engine::round::{verify_round, TargetRule};
 use spade_engine::ModelMeta;
@@ -82,17 +85,70 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     })
 }
 
+/// A `/verify` body in JSON or in the binary form (`Content-Type: application/x-spade-verify`), and
+/// whether the caller takes a binary answer (`Accept` names that type).
+pub struct VerifyBody {
+    request: VerifyRequest,
+    binary_reply: bool,
+}
+
+impl<S: Send + Sync> FromRequest<S> for VerifyBody {
+    type Rejection = RequestError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, RequestError> {
+        let names_binary = |headers: &header::HeaderMap, name| headers.get(name).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(BINARY_CONTENT_TYPE));
+        let (binary, binary_reply) = (names_binary(req.headers(), header::CONTENT_TYPE), names_binary(req.headers(), header::ACCEPT));
+        let request = if binary {
+            let bytes = Bytes::from_request(req, state).await.map_err(|e| match e.status() {
+                StatusCode::PAYLOAD_TOO_LARGE => RequestError::TooLarge,
+                _ => RequestError::Json(e.body_text()),
+            })?;
+            decode_request(&bytes).map_err(|e| RequestError::Invalid {
+                message: format!("invalid binary body: {e}"),
+                param: None,
+                code: Some("invalid_binary"),
+            })?
+        } else {
+            Json::<VerifyRequest>::from_request(req, state).await?.0
+        };
+        Ok(Self { request, binary_reply })
+    }
+}
+
+/// The verdict, in the form the caller asked for.
+pub enum VerifyReply {
+    Json(VerifyResponse),
+    Binary(Vec<u8>),
+}
+
+impl IntoResponse for VerifyReply {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Json(r) => Json(r).into_response(),
+            Self::Binary(bytes) => ([(header::CONTENT_TYPE, BINARY_CONTENT_TYPE)], bytes).into_response(),
+        }
+    }
+}
+
 /// Judge a block of draft tokens.
 ///
 /// Scores the context plus the drafts in one target forward pass, accepts each draft with
 /// probability min(1, p/q), and returns the correction (first rejection, drawn from
 /// norm(max(0, p - q))) or the bonus token. Deterministic: the same request gets the same answer.
+/// Takes and gives JSON, or the compact binary form (`application/x-spade-verify`, documented in
+/// spade-core's `wire` module): send it as the content type to be read, accept it to be answered in it.
 #[utoipa::path(
     post,
     path = "/verify",
-    request_body = VerifyRequest,
+    request_body(content(
+        (VerifyRequest = "application/json"),
+        (Vec<u8> = "application/x-spade-verify"),
+    )),
     responses(
-        (status = 200, description = "The verdict", body = VerifyResponse),
+        (status = 200, description = "The verdict", content(
+            (VerifyResponse = "application/json"),
+            (Vec<u8> = "application/x-spade-verify"),
+        )),
         (status = 400, description = "Invalid request (bad JSON, ids outside the vocabulary, q not a distribution, context too long)", body = ErrorBody),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 409, description = "Session unknown or shorter than context_start: resend the full context", body = ErrorBody),
@@ -102,14 +158,14 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     ),
     security(("bearer" = []))
 )]
-pub async fn verify(State(state): State<AppState>, Json(req): Json<VerifyRequest>) -> Result<Json<VerifyResponse>, ApiError> {
-    let result = handle(&state, req).await;
+pub async fn verify(State(state): State<AppState>, body: VerifyBody) -> Result<VerifyReply, ApiError> {
+    let result = handle(&state, body.request).await;
     match &result {
         Err(ApiError::QueueFull(_)) => state.metrics.record_queue_full(),
         Err(_) => state.metrics.record_error(),
         Ok(_) => {}
     }
-    result.map(Json)
+    result.map(|r| if body.binary_reply { VerifyReply::Binary(encode_response(&r)) } else { VerifyReply::Json(r) })
 }
 
 async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, ApiError> {

@@ -141,6 +141,43 @@ async fn penalties_count_earlier_drafts_as_target_only_decoding_counts_committed
 }
 
 #[tokio::test]
+async fn the_binary_form_gets_the_same_verdict_in_fewer_bytes() {
+    let st = state(&[], true);
+    let json_body = greedy(&[3, 1], &[8, 25, 5]);
+    let (_, json_answer) = verify(&st, json_body.clone()).await;
+    let request: spade_core::protocol::VerifyRequest = serde_json::from_value(json_body.clone()).unwrap();
+    let bytes = spade_core::wire::encode_request(&request);
+    assert!(bytes.len() * 4 < json_body.to_string().len(), "{} binary bytes vs {} JSON", bytes.len(), json_body.to_string().len());
+    let post = |body: Vec<u8>, accept: &'static str| {
+        let st = st.clone();
+        async move {
+            let req = Request::post("/verify")
+                .header("authorization", "Bearer sekret")
+                .header("content-type", spade_core::wire::BINARY_CONTENT_TYPE)
+                .header("accept", accept)
+                .body(Body::from(body))
+                .unwrap();
+            let response = router(st).oneshot(req).await.unwrap();
+            let (status, kind) = (response.status(), response.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()));
+            (status, kind, axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap())
+        }
+    };
+    let (status, kind, body) = post(bytes.clone(), spade_core::wire::BINARY_CONTENT_TYPE).await;
+    assert_eq!((status, kind.as_deref()), (StatusCode::OK, Some(spade_core::wire::BINARY_CONTENT_TYPE)));
+    let answer = spade_core::wire::decode_response(&body).unwrap();
+    assert_eq!((answer.accepted, answer.next_token), (2, 16));
+    assert_eq!(json!(answer.accepted), json_answer["accepted"]);
+    // Binary in, JSON out when the caller does not accept binary.
+    let (_, kind, body) = post(bytes, "application/json").await;
+    assert_eq!(kind.as_deref(), Some("application/json"));
+    assert_eq!(serde_json::from_slice::<Value>(&body).unwrap()["next_token"], 16);
+    // A broken binary body is an OpenAI-shaped 400.
+    let (status, _, body) = post(vec![1, 0, 5], spade_core::wire::BINARY_CONTENT_TYPE).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_error(&serde_json::from_slice(&body).unwrap(), "invalid_request_error", None, Some("invalid_binary"));
+}
+
+#[tokio::test]
 async fn sampled_calls_are_deterministic_per_seed() {
     let st = state(&[], true);
     let body = json!({
@@ -216,7 +253,7 @@ async fn authentication_is_required_except_for_health() {
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
     // The limits a gateway must respect, so it can check its settings before it is ready.
     assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
-    assert_eq!(v["features"], json!(["penalties"]));
+    assert_eq!(v["features"], json!(["penalties", "binary"]));
     let (_, v, _) = call(&state(&["--max-draft", "2"], true), "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!(v["max_draft"].as_u64(), Some(2));
 }
