@@ -254,7 +254,8 @@ impl<'de> Deserialize<'de> for DraftLen {
         impl Visitor<'_> for Expect {
             type Value = DraftLen;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a number of draft tokens or \"auto\"")
+                // The request's shared fields are flattened, which loses serde's field path: name it here.
+                f.write_str("spade.draft_len: a number of draft tokens or \"auto\"")
             }
             fn visit_u64<E: Error>(self, v: u64) -> Result<DraftLen, E> {
                 u32::try_from(v).map(DraftLen::Fixed).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
