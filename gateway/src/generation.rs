@@ -168,7 +168,10 @@ struct Output {
     model: Arc<dyn EdgeModel>,
     decoder: IncrementalDecoder,
     stops: StopMatcher,
-    tools: Option<(ToolCallParser, ToolCalls)>,
+    /// Present when the request has tools.
+    parser: Option<ToolCallParser>,
+    /// `parallel_tool_calls: false`: the first call ends the generation.
+    single_call: bool,
     /// Tool calls handed over so far.
     calls: usize,
     /// Logprobs of tokens whose text is not sent yet.
@@ -181,8 +184,9 @@ struct Output {
 impl Output {
     fn new(model: Arc<dyn EdgeModel>, stops: &[String], tools: Option<ToolCalls>, events: mpsc::Sender<Event>, started: Instant) -> Self {
         let stops = StopMatcher::new(stops.to_vec());
-        let tools = tools.map(|t| (ToolCallParser::new(t.names.clone()), t));
-        Self { model, decoder: IncrementalDecoder::new(), stops, tools, calls: 0, pending_logprobs: Vec::new(), events, started, ttft: None }
+        let single_call = tools.as_ref().is_some_and(|t| !t.parallel);
+        let parser = tools.map(|t| ToolCallParser::new(t.names));
+        Self { model, decoder: IncrementalDecoder::new(), stops, parser, single_call, calls: 0, pending_logprobs: Vec::new(), events, started, ttft: None }
     }
 
     /// Flushes held-back text and ends (with `stop` after all if that text completes a stop sequence).
@@ -194,7 +198,7 @@ impl Output {
             step.emit.push_str(&self.stops.finish());
         }
         self.send_text(step.emit).await;
-        let held = self.tools.as_mut().map(|(parser, _)| parser.finish()).unwrap_or_default();
+        let held = self.parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
         self.send(held).await;
         Ok(match (self.calls, step.stopped) {
             (1.., _) => FinishReason::ToolCalls,
@@ -206,18 +210,11 @@ impl Output {
     /// Sends text on, through the tool-call parser when there is one. Returns whether generation
     /// should stop (a call made under `parallel_tool_calls: false`).
     async fn send_text(&mut self, text: String) -> bool {
-        match &mut self.tools {
-            Some((parser, _)) => {
-                let outputs = parser.push(&text);
-                self.send(outputs).await
-            }
-            None => self.send(vec![ToolOutput::Text(text)]).await,
-        }
-    }
-
-    /// `parallel_tool_calls: false`.
-    fn single_call(&self) -> bool {
-        self.tools.as_ref().is_some_and(|(_, t)| !t.parallel)
+        let outputs = match &mut self.parser {
+            Some(parser) => parser.push(&text),
+            None => vec![ToolOutput::Text(text)],
+        };
+        self.send(outputs).await
     }
 
     async fn send(&mut self, outputs: Vec<ToolOutput>) -> bool {
@@ -226,7 +223,7 @@ impl Output {
                 ToolOutput::Text(text) if text.is_empty() => continue,
                 ToolOutput::Text(text) => Event::Text { text, logprobs: std::mem::take(&mut self.pending_logprobs) },
                 ToolOutput::Call { name, arguments } => {
-                    if self.calls > 0 && self.single_call() {
+                    if self.calls > 0 && self.single_call {
                         continue;
                     }
                     self.calls += 1;
@@ -238,7 +235,7 @@ impl Output {
             // A closed channel means the client left; the generation is dropped right after.
             let _ = self.events.send(event).await;
         }
-        self.calls > 0 && self.single_call()
+        self.calls > 0 && self.single_call
     }
 
     fn logprob_content(&self, lp: &TokenLogprob) -> Result<TokenLogprobContent, EngineError> {
