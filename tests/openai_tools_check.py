@@ -3,13 +3,16 @@ runs it against the Qwen pair, whose chat template knows tools).
 
 The round trip an agent makes: tools -> tool_calls -> a tool message with the result -> the final
 answer, non-streamed and streamed; each answer equal to target-only decoding (spade.draft_len 0)
-under greedy decoding; parallel_tool_calls false; a refused tool_choice named in the error.
+under greedy decoding; parallel_tool_calls false. Then constrained output: tool_choice "required"
+and a named tool (calls held to the tool's parameter schema), and `chat.completions.parse` with a
+Pydantic model as the response_format, each equal to target-only decoding under the same grammar.
 """
 import json
 import sys
 
 import openai
 from openai import OpenAI
+from pydantic import BaseModel
 
 client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=600)
 tools = [{"type": "function", "function": {
@@ -68,9 +71,39 @@ assert [json.loads(c.function.arguments) for c in single.message.tool_calls] == 
 assert single.finish_reason == "tool_calls", single
 report["parallel"] = [len(both.message.tool_calls), len(single.message.tool_calls)]
 
+# Forced calls: even a question that needs no tool gets a call, with schema-valid arguments.
+hello = messages[:1] + [{"role": "user", "content": "Say hello."}]
+for choice_param in ["required", {"type": "function", "function": {"name": "multiply"}}]:
+    forced = client.chat.completions.create(messages=hello, tool_choice=choice_param, **common).choices[0]
+    assert forced.finish_reason == "tool_calls" and forced.message.tool_calls, forced
+    for c in forced.message.tool_calls:
+        args = json.loads(c.function.arguments)
+        assert c.function.name == "multiply" and set(args) == {"a", "b"} and all(isinstance(v, int) for v in args.values()), c
+    alone = client.chat.completions.create(messages=hello, tool_choice=choice_param, extra_body=target_only, **common).choices[0]
+    assert [c.function.model_dump() for c in alone.message.tool_calls] == [c.function.model_dump() for c in forced.message.tool_calls], (alone, forced)
+    report[f"forced {json.dumps(choice_param)}"] = [c.function.model_dump() for c in forced.message.tool_calls]
 try:
-    client.chat.completions.create(messages=messages, tool_choice="required", **common)
-    raise AssertionError("tool_choice required was accepted")
+    client.chat.completions.create(messages=hello, tool_choice={"type": "function", "function": {"name": "divide"}}, **common)
+    raise AssertionError("a tool_choice naming no tool was accepted")
 except openai.BadRequestError as e:
-    assert e.body["param"] == "tool_choice", e.body
+    assert e.body["param"] == "tool_choice.function.name", e.body
+
+
+# Structured output: the SDK sends the model's strict JSON schema and parses the answer into it.
+class Product(BaseModel):
+    a: int
+    b: int
+    product: int
+    note: str
+
+
+question = [{"role": "user", "content": "Multiply 12 by 34. Give a, b, the product and a short note."}]
+parsed = client.chat.completions.parse(model="spade", messages=question, response_format=Product, temperature=0, max_tokens=120)
+message = parsed.choices[0].message
+assert isinstance(message.parsed, Product), message
+alone = client.chat.completions.parse(model="spade", messages=question, response_format=Product, temperature=0, max_tokens=120, extra_body=target_only)
+assert alone.choices[0].message.content == message.content, (alone, message)
+free = client.chat.completions.create(model="spade", messages=question, temperature=0, max_tokens=120)
+assert free.choices[0].message.content != message.content, "the schema should shape the answer"
+report["parsed"] = message.parsed.model_dump()
 print(json.dumps(report, indent=1))

@@ -5,6 +5,7 @@
 //! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
 //! - [`verify`]: the speculative-sampling rule, general and greedy.
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
+//! - [`grammar`]: constrained decoding: a grammar's token masks, advanced over the output so far.
 //! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
@@ -17,6 +18,7 @@
 pub mod dist;
 pub mod draft_control;
 pub mod error;
+pub mod grammar;
 pub mod limits;
 pub mod metrics;
 pub mod openai;

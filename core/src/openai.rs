@@ -93,6 +93,9 @@ pub struct ChatCompletionRequest {
     pub logprobs: bool,
     #[serde(default)]
     pub top_logprobs: Option<u8>,
+    /// `{"type": "text"}` (the default), `{"type": "json_object"}` (any JSON object) or
+    /// `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`: the
+    /// output is decoded under the schema's grammar, exactly as target-only decoding under it.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub response_format: Option<Value>,
@@ -101,8 +104,9 @@ pub struct ChatCompletionRequest {
     #[serde(default)]
     #[schema(value_type = Option<Vec<ToolSpec>>)]
     pub tools: Option<Value>,
-    /// `none` (calls are not parsed) or `auto`; `required` and a named function need constrained
-    /// decoding and are refused by name.
+    /// `auto`, `none` (calls are not parsed), `required` (at least one call) or
+    /// `{"type": "function", "function": {"name": ...}}` (one call of that tool): forced calls are
+    /// decoded under a grammar of the model's call format and the tool's parameter schema.
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     pub tool_choice: Option<Value>,

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::dist::{DistError, SparseDist};
+use crate::grammar::GrammarConstraint;
 use crate::penalties::Penalties;
 use crate::sampling::SamplingParams;
 use crate::verify::{DraftToken, NextKind};
@@ -51,6 +52,11 @@ pub struct VerifyRequest {
     /// `penalties` feature).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub penalties: Option<Penalties>,
+    /// Constrains the output to a grammar (needs the verifier's `grammar` feature). Sent with the
+    /// full context (`context_start` 0), kept by the session for the calls that only append: a
+    /// session created without one is unconstrained.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grammar: Option<GrammarConstraint>,
     /// Seeds the per-position randomness; the same request always gets the same answer.
     #[serde(default)]
     pub seed: u64,
@@ -106,7 +112,8 @@ pub struct ModelInfo {
     pub max_draft: u32,
     /// Most `top_logprobs` one call may ask for.
     pub max_top_logprobs: u8,
-    /// Optional parts of the protocol this verifier implements ([`FEATURE_PENALTIES`]); a gateway
+    /// Optional parts of the protocol this verifier implements ([`FEATURE_PENALTIES`],
+    /// [`FEATURE_GRAMMAR`], [`FEATURE_BINARY`]); a gateway
     /// refuses requests that need one its verifier lacks.
     #[serde(default)]
     pub features: Vec<String>,
@@ -114,6 +121,9 @@ pub struct ModelInfo {
 
 /// `VerifyRequest::penalties` is honoured.
 pub const FEATURE_PENALTIES: &str = "penalties";
+
+/// `VerifyRequest::grammar` is honoured.
+pub const FEATURE_GRAMMAR: &str = "grammar";
 
 /// `/verify` takes and gives the binary form of [`crate::wire`].
 pub const FEATURE_BINARY: &str = "binary";

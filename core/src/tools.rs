@@ -34,7 +34,8 @@ pub struct FunctionSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub parameters: Option<Value>,
-    /// Accepted for compatibility; calls are parsed, not constrained, so it changes nothing here.
+    /// Accepted for compatibility. Forced calls (`tool_choice` `required` or named) follow the
+    /// parameters' schema whether it is set or not; other calls are parsed as written.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strict: Option<bool>,
 }
@@ -95,6 +96,55 @@ enum State {
     Qwen,
     /// A Llama 3.1 call: everything to the end of the output is calls.
     Llama,
+}
+
+/// How a model writes its calls: what [`ToolCallParser`] reads, and what a forced call is held to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFormat {
+    /// Qwen2.5 and Hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+    Tagged,
+    /// Llama 3.1: `{"name": ..., "parameters": {...}}`.
+    Bare,
+}
+
+impl CallFormat {
+    /// The format a chat template teaches: tagged where it mentions `<tool_call>`.
+    pub fn of_template(template: Option<&str>) -> Self {
+        if template.is_some_and(|t| t.contains("<tool_call>")) {
+            Self::Tagged
+        } else {
+            Self::Bare
+        }
+    }
+}
+
+/// A grammar in llguidance's Lark dialect whose sentences are one call of one of `tools` in
+/// `format` (or, with `parallel`, one or more calls on lines of their own), each naming its tool and
+/// with arguments valid under that tool's parameter schema (any object where it has none).
+pub fn forced_calls_grammar(tools: &[ToolSpec], format: CallFormat, parallel: bool) -> String {
+    let arguments_key = match format {
+        CallFormat::Tagged => "arguments",
+        CallFormat::Bare => "parameters",
+    };
+    let calls: Vec<Value> = tools
+        .iter()
+        .map(|t| {
+            let parameters = t.function.parameters.clone().filter(|p| p.is_object()).unwrap_or_else(|| serde_json::json!({"type": "object"}));
+            serde_json::json!({
+                "type": "object",
+                "properties": {"name": {"const": t.function.name}, arguments_key: parameters},
+                "required": ["name", arguments_key],
+                "additionalProperties": false,
+            })
+        })
+        .collect();
+    let call_schema = serde_json::json!({"anyOf": calls});
+    let call = match format {
+        CallFormat::Tagged => format!("\"<tool_call>\\n\" %json {call_schema} \"\\n</tool_call>\""),
+        CallFormat::Bare => format!("%json {call_schema}"),
+    };
+    let start = if parallel { "start: call (\"\\n\" call)*" } else { "start: call" };
+    format!("{start}\ncall: {call}\n")
 }
 
 /// Splits a model's streamed text into content and tool calls.

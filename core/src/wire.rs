@@ -3,10 +3,11 @@
 //!
 //! Integers are LEB128 varints unless said otherwise; floats are little-endian IEEE 754 `f32`.
 //!
-//! Request: version `1` (byte); flags (byte: 1 session id, 2 top_logprobs, 4 penalties, 8 sampled);
+//! Request: version `1` (byte); flags (byte: 1 session id, 2 top_logprobs, 4 penalties, 8 sampled,
+//! 16 grammar);
 //! [session id: length, bytes]; context_start; context: count, ids; [sampled (else greedy):
 //! temperature (f32), top_p (f32), top_k, min_p (f32), seed (u64 LE)]; [top_logprobs (byte)];
-//! [penalties: length, JSON]; drafts: count, then per draft its token and its q:
+//! [penalties: length, JSON]; [grammar: length, JSON]; drafts: count, then per draft its token and its q:
 //! `0` (all mass on the token), `1` + entries (count, then per entry the id's distance from the
 //! previous id and its units of 1/4096), or `2` + entries (count, then id distance and `f32`).
 //!
@@ -131,8 +132,11 @@ fn ids_with<T: Copy>(out: &mut Vec<u8>, entries: &[(u32, T)], mut value: impl Fn
 pub fn encode_request(r: &VerifyRequest) -> Vec<u8> {
     let mut out = vec![VERSION];
     let s = &r.sampling;
-    let flags =
-        u8::from(r.session_id.is_some()) | u8::from(r.top_logprobs.is_some()) << 1 | u8::from(r.penalties.is_some()) << 2 | u8::from(!s.is_greedy()) << 3;
+    let flags = u8::from(r.session_id.is_some())
+        | u8::from(r.top_logprobs.is_some()) << 1
+        | u8::from(r.penalties.is_some()) << 2
+        | u8::from(!s.is_greedy()) << 3
+        | u8::from(r.grammar.is_some()) << 4;
     out.push(flags);
     if let Some(id) = &r.session_id {
         bytes_field(&mut out, id.as_bytes());
@@ -154,6 +158,9 @@ pub fn encode_request(r: &VerifyRequest) -> Vec<u8> {
     }
     if let Some(p) = &r.penalties {
         bytes_field(&mut out, &serde_json::to_vec(p).expect("penalties serialise"));
+    }
+    if let Some(g) = &r.grammar {
+        bytes_field(&mut out, &serde_json::to_vec(g).expect("grammars serialise"));
     }
     varint(&mut out, r.draft.len() as u64);
     for d in &r.draft {
@@ -200,6 +207,7 @@ pub fn decode_request(body: &[u8]) -> Result<VerifyRequest, WireError> {
     };
     let top_logprobs = if flags & 2 != 0 { Some(r.byte()?) } else { None };
     let penalties = if flags & 4 != 0 { Some(r.json("penalties")?) } else { None };
+    let grammar = if flags & 16 != 0 { Some(r.json("grammar")?) } else { None };
     let n = r.count(2)?;
     let mut draft = Vec::with_capacity(n);
     for _ in 0..n {
@@ -222,7 +230,7 @@ pub fn decode_request(body: &[u8]) -> Result<VerifyRequest, WireError> {
         draft.push(WireDraftToken { token, q });
     }
     r.end()?;
-    Ok(VerifyRequest { session_id, context, context_start, draft, sampling, penalties, seed, top_logprobs })
+    Ok(VerifyRequest { session_id, context, context_start, draft, sampling, penalties, grammar, seed, top_logprobs })
 }
 
 pub fn encode_response(r: &VerifyResponse) -> Vec<u8> {
@@ -256,6 +264,7 @@ pub fn decode_response(body: &[u8]) -> Result<VerifyResponse, WireError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::grammar::GrammarConstraint;
     use crate::penalties::Penalties;
     use crate::protocol::TokenLogprob;
 
@@ -267,6 +276,7 @@ mod tests {
             draft,
             sampling,
             penalties: None,
+            grammar: None,
             seed: if sampling.is_greedy() { 0 } else { 77 },
             top_logprobs: None,
         }
@@ -284,6 +294,7 @@ mod tests {
         let sampled = VerifyRequest {
             top_logprobs: Some(3),
             penalties: Some(Penalties { presence_penalty: 0.5, prompt_len: 3, ..Penalties::default() }),
+            grammar: Some(GrammarConstraint::json_schema(serde_json::json!({"type": "object"}), 3)),
             ..request(SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, min_p: 0.05 }, vec![WireDraftToken { token: 9, q: q.entries().to_vec() }])
         };
         assert_eq!(decode_request(&encode_request(&sampled)).unwrap(), sampled);

@@ -50,6 +50,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             sampling,
             draft_sampling: sampling,
             penalties: None,
+            grammar: None,
             seed: 1,
             stop_token_ids: target.meta().stop_token_ids.clone(),
         };

@@ -24,12 +24,13 @@ use mistralrs::core::{
 use mistralrs::core::{MessageContent, TokenizationRequest};
 use mistralrs::{CustomLogitsProcessor, Model, Tool};
 use rand::Rng;
+use spade_core::grammar::Vocabulary;
 use spade_core::rng::{rng_for, Stream};
 use spade_core::{distribution, DraftToken, History};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
-use crate::gguf::{read_meta, ModelMeta, ModelSource};
+use crate::gguf::{read_meta, read_vocabulary, ModelMeta, ModelSource};
 use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
@@ -76,6 +77,9 @@ pub struct MistralDrafter {
     active: AtomicUsize,
     /// Resident memory once loaded, the base of `cache_budget_bytes`.
     baseline_rss: Option<usize>,
+    path: std::path::PathBuf,
+    /// Built on the first constrained request: most never need it.
+    vocabulary: std::sync::OnceLock<Result<Vocabulary, String>>,
 }
 
 impl MistralDrafter {
@@ -107,7 +111,17 @@ impl MistralDrafter {
         let tokenizer = pipeline.lock().await.tokenizer().ok_or_else(|| EngineError::Drafter("the draft model has no tokenizer".into()))?;
         let model = build_runner(&pipeline, options.max_concurrent).await?;
         let runner = RwLock::new(Runner { model, rounds: AtomicUsize::new(0), trim_pending: AtomicBool::new(false) });
-        Ok(Self { meta, tokenizer, pipeline, runner, options, active: Default::default(), baseline_rss: resident_bytes() })
+        Ok(Self {
+            meta,
+            tokenizer,
+            pipeline,
+            runner,
+            options,
+            active: Default::default(),
+            baseline_rss: resident_bytes(),
+            path: path.clone(),
+            vocabulary: Default::default(),
+        })
     }
 
     /// The chat template applied to `(role, content)` messages, with the assistant turn opened.
@@ -276,6 +290,9 @@ struct Recorder {
     params: DraftParams,
     /// The penalties' counts, grown by each token this round draws (None without penalties).
     history: Option<std::sync::Mutex<History>>,
+    /// The committed context and this round's tokens so far, what the grammar's mask follows (None
+    /// without a grammar).
+    grammar_context: Option<std::sync::Mutex<Vec<u32>>>,
     /// Where each drawn token goes; closed when its [`DraftStream`] is dropped.
     tokens: UnboundedSender<DraftMessage>,
     /// An end-of-sequence token of the draft model: forced once nobody wants more, so mistral.rs ends
@@ -304,11 +321,20 @@ impl CustomLogitsProcessor for Recorder {
         if let Some(history) = &history {
             history.apply(&mut logits_vec);
         }
+        let mut grammar_context = self.grammar_context.as_ref().map(|c| c.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+        if let (Some(grammar), Some(context)) = (&self.params.grammar, &grammar_context) {
+            if !grammar.mask(context, &mut logits_vec) {
+                tracing::debug!(position, "the draft's grammar state cannot follow its context; drafting unconstrained");
+            }
+        }
         // Drawn from the quantised q, so the q sent (compact on the wire) is exactly the one drawn from.
         let q = distribution(&logits_vec, &self.params.sampling).map_err(|e| candle_core::Error::Msg(e.to_string()))?.quantized();
         let token = q.sample(rng_for(Stream::Draft, self.params.seed, position as u64).random());
         if let Some(history) = &mut history {
             history.push(token);
+        }
+        if let Some(context) = &mut grammar_context {
+            context.push(token);
         }
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
         if step < self.n {
@@ -368,8 +394,17 @@ impl Drafter for MistralDrafter {
         let cancel_with = stop_token_ids.first().copied();
         let (tokens, stream) = DraftStream::channel(n, stop_token_ids);
         let history = params.penalties.as_ref().map(|p| std::sync::Mutex::new(p.history(committed)));
-        let recorder =
-            Arc::new(Recorder { start: committed.len(), n, params: params.clone(), history, tokens: tokens.clone(), cancel_with, steps: Default::default() });
+        let grammar_context = params.grammar.as_ref().map(|_| std::sync::Mutex::new(committed.to_vec()));
+        let recorder = Arc::new(Recorder {
+            start: committed.len(),
+            n,
+            params: params.clone(),
+            history,
+            grammar_context,
+            tokens: tokens.clone(),
+            cancel_with,
+            steps: Default::default(),
+        });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         let request = new_request(
             RequestMessage::CompletionTokens(committed.to_vec()),
@@ -451,6 +486,11 @@ impl crate::EdgeModel for MistralDrafter {
 
     fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError> {
         self.tokenizer.decode(tokens, false).map_err(|e| EngineError::Drafter(format!("decoding: {e}")))
+    }
+
+    fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
+        let built = self.vocabulary.get_or_init(|| read_vocabulary(&self.path, &self.meta).map_err(|e| e.to_string()));
+        built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
     }
 
     fn token_piece(&self, id: u32) -> Option<String> {

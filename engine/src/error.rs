@@ -21,6 +21,8 @@ pub enum EngineError {
     Sampling(#[from] spade_core::SamplingError),
     #[error("verification: {0}")]
     Verify(#[from] spade_core::VerifyError),
+    #[error("{0}")]
+    Grammar(#[from] spade_core::grammar::GrammarError),
     #[error("drafter: {0}")]
     Drafter(String),
     #[error("tensor: {0}")]

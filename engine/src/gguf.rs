@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use sha2::{Digest, Sha256};
+use spade_core::grammar::{Spelling, TokenKind, Vocabulary};
 
 use crate::EngineError;
 
@@ -145,6 +146,24 @@ impl GgufFile {
             chat_template: self.string("tokenizer.chat_template").ok(),
         })
     }
+}
+
+/// The model's vocabulary for constrained decoding, built from the GGUF token list (the same list
+/// the fingerprint hashes). Blocking: reads the file's metadata and builds llguidance's token trie.
+pub fn read_vocabulary(path: &Path, meta: &ModelMeta) -> Result<Vocabulary, EngineError> {
+    let gguf = GgufFile::open(path)?;
+    let strings = |key: &str| -> Result<Vec<Value>, EngineError> { gguf.get(key)?.to_vec().cloned().map_err(|e| EngineError::load(path, e)) };
+    let tokens: Vec<String> = strings("tokenizer.ggml.tokens")?.iter().map(|v| v.to_string().cloned().unwrap_or_default()).collect();
+    let kinds: Vec<TokenKind> = match gguf.get("tokenizer.ggml.token_type") {
+        Ok(_) => strings("tokenizer.ggml.token_type")?.iter().map(|v| TokenKind::from_gguf(v.to_i32().unwrap_or(1))).collect(),
+        Err(_) => Vec::new(),
+    };
+    let spelling = match gguf.string("tokenizer.ggml.model").as_deref() {
+        Ok("gpt2") => Spelling::ByteLevel,
+        Ok("llama" | "gemma" | "t5") => Spelling::SentencePiece,
+        other => return Err(EngineError::Unsupported(format!("constrained decoding with tokenizer model {other:?}"))),
+    };
+    Ok(Vocabulary::new(&tokens, &kinds, spelling, meta.vocab_size, &meta.stop_token_ids)?)
 }
 
 /// Refuses a draft/target pair whose token ids do not mean the same text.

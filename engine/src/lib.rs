@@ -25,6 +25,9 @@ pub use scorer::CandleScorer;
 pub use spade_core::openai::{Role, Turn};
 pub use spade_core::tools::ToolSpec;
 pub use spade_core::DraftToken;
+use std::sync::{Arc, Mutex};
+
+use spade_core::grammar::{GrammarState, Vocabulary};
 
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
 pub fn set_compute_threads(n: usize) -> Result<(), String> {
@@ -38,7 +41,39 @@ pub struct DraftParams {
     pub sampling: spade_core::SamplingParams,
     /// The target's penalties and bias, applied to q from the same history (None: none).
     pub penalties: Option<spade_core::Penalties>,
+    /// The target's grammar, masking q as it masks p (None: unconstrained).
+    pub grammar: Option<SharedGrammar>,
     pub seed: u64,
+}
+
+/// One generation's grammar state, shared by its rounds of drafting: each brings it to its own
+/// context first ([`GrammarState::sync`]), so rounds dropped or drafted ahead cannot leave it astray.
+#[derive(Clone)]
+pub struct SharedGrammar(Arc<Mutex<GrammarState>>);
+
+impl SharedGrammar {
+    pub fn new(state: GrammarState) -> Self {
+        Self(Arc::new(Mutex::new(state)))
+    }
+
+    /// Masks the logits of the token after `context`. False, with the logits untouched, where the
+    /// grammar cannot follow: q is then merely further from p, never wrong.
+    pub fn mask(&self, context: &[u32], logits: &mut [f32]) -> bool {
+        let mut state = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.sync(context).and_then(|()| state.mask(logits)).is_ok()
+    }
+}
+
+impl PartialEq for SharedGrammar {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl std::fmt::Debug for SharedGrammar {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SharedGrammar")
+    }
 }
 
 /// The edge model: proposes up to `n` tokens after `committed`, each with its exact q.
@@ -85,12 +120,20 @@ pub trait EdgeModel: Drafter {
     fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError>;
     /// The vocabulary's own string for `id` (for example `Ġthe`); None outside the vocabulary.
     fn token_piece(&self, id: u32) -> Option<String>;
+    /// The vocabulary grammars are compiled against (blocking the first time: it is built lazily).
+    fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
+        Err(EngineError::Unsupported("this model does not support constrained decoding".into()))
+    }
 }
 
 /// The cloud model. Weights are shared; each context gets its own [`ScoreSession`].
 pub trait Scorer: Send + Sync {
     fn meta(&self) -> &ModelMeta;
     fn new_session(&self) -> Box<dyn ScoreSession>;
+    /// The vocabulary grammars are compiled against (blocking the first time: it is built lazily).
+    fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
+        Err(EngineError::Unsupported("this scorer does not support constrained decoding".into()))
+    }
 }
 
 /// A KV-cached context of the target model.

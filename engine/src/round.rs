@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use spade_core::grammar::GrammarState;
 use spade_core::protocol::TokenLogprob;
 use spade_core::{distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, Penalties, SamplingParams, SparseDist};
 
@@ -50,11 +51,15 @@ impl TargetRule {
 
 /// Scores `context + drafts` (reusing the session's cache) and applies the speculative-sampling rule
 /// with randomness keyed by `(seed, position)`: the same inputs always give the same result.
+///
+/// With a grammar, brought here to the end of `context`, each row of logits is first masked with the
+/// grammar's state after the drafts before it, as target-only decoding under that grammar would.
 pub fn verify_round(
     session: &mut dyn ScoreSession,
     context: &[u32],
     drafts: &[DraftToken],
     rule: &TargetRule,
+    grammar: Option<&mut GrammarState>,
     seed: u64,
     top_logprobs: Option<usize>,
 ) -> Result<RoundResult, EngineError> {
@@ -68,7 +73,14 @@ pub fn verify_round(
     let started = Instant::now();
     let logits = session.score(&tokens, drafts.len() + 1)?;
     let forward_time = started.elapsed();
-    let p = rule.distributions(&logits, context, &draft_tokens)?;
+    let p = match grammar {
+        Some(grammar) => {
+            let mut masked = logits.clone();
+            grammar.mask_block(&mut masked, &draft_tokens)?;
+            rule.distributions(&masked, context, &draft_tokens)?
+        }
+        None => rule.distributions(&logits, context, &draft_tokens)?,
+    };
     let outcome = if rule.sampling.is_greedy() {
         let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
         verify_greedy(&argmax, &draft_tokens)?

@@ -9,13 +9,14 @@
 use std::time::{Duration, Instant};
 
 use spade_core::draft_control::DraftChoice;
+use spade_core::grammar::{Grammar, GrammarState};
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, Penalties, SamplingParams};
 
 pub use crate::drafting::DraftLength;
 use crate::drafting::{observation, Block, DraftTiming, Pacing};
 use crate::round::{verify_round, TargetRule};
-use crate::{DraftParams, Drafter, EngineError, ScoreSession};
+use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
 #[async_trait::async_trait]
@@ -355,6 +356,7 @@ impl Loop<'_> {
 pub struct LocalVerifier<'a> {
     pub session: &'a mut dyn ScoreSession,
     pub rule: TargetRule,
+    pub grammar: Option<GrammarState>,
     pub seed: u64,
     pub top_logprobs: Option<usize>,
 }
@@ -362,8 +364,11 @@ pub struct LocalVerifier<'a> {
 #[async_trait::async_trait]
 impl BlockVerifier for LocalVerifier<'_> {
     async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
-        let round =
-            verify_round(self.session, context, drafts, &self.rule, self.seed, self.top_logprobs).map_err(|e| VerifyFailure::Rejected(e.to_string()))?;
+        let rejected = |e: EngineError| VerifyFailure::Rejected(e.to_string());
+        if let Some(grammar) = &mut self.grammar {
+            grammar.sync(context).map_err(|e| rejected(e.into()))?;
+        }
+        let round = verify_round(self.session, context, drafts, &self.rule, self.grammar.as_mut(), self.seed, self.top_logprobs).map_err(rejected)?;
         Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
     }
 }
@@ -390,6 +395,8 @@ pub struct GenerateParams {
     pub draft_sampling: SamplingParams,
     /// Applied to both the target's and the draft's logits.
     pub penalties: Option<Penalties>,
+    /// Constrains the output (everything after the prompt); masks both p and q.
+    pub grammar: Option<Grammar>,
     pub seed: u64,
     pub stop_token_ids: Vec<u32>,
 }
@@ -411,13 +418,19 @@ pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSessi
         max_new_tokens: params.max_new_tokens,
         draft_len: DraftLength::Fixed(params.draft_len),
         draft_ahead: params.draft_ahead,
-        draft: DraftParams { sampling: params.draft_sampling, penalties: params.penalties.clone(), seed: params.seed },
+        draft: DraftParams {
+            sampling: params.draft_sampling,
+            penalties: params.penalties.clone(),
+            grammar: params.grammar.as_ref().map(|g| SharedGrammar::new(g.start_at(prompt.len()))),
+            seed: params.seed,
+        },
         stop_token_ids: params.stop_token_ids.clone(),
         when_unreachable: WhenUnreachable::Fail,
         start_degraded: false,
     };
     let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
-    let mut verifier = LocalVerifier { session: target, rule, seed: params.seed, top_logprobs: None };
+    let grammar = params.grammar.as_ref().map(|g| g.start_at(prompt.len()));
+    let mut verifier = LocalVerifier { session: target, rule, grammar, seed: params.seed, top_logprobs: None };
     let mut tokens = Collect::default();
     let end = run(drafter, &mut verifier, prompt, &loop_params, &mut tokens).await;
     if let Some(drafter) = drafter {

@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use rand::{Rng, SeedableRng};
+use spade_core::grammar::GrammarConstraint;
 use spade_core::{DraftToken, Penalties, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::speculative::{generate, Finish, GenerateParams, Generation};
@@ -19,6 +20,7 @@ fn params(draft_len: usize, max_new_tokens: usize, sampling: SamplingParams, met
         sampling,
         draft_sampling: sampling,
         penalties: None,
+        grammar: None,
         seed: 7,
         stop_token_ids: meta.stop_token_ids.clone(),
     }
@@ -120,6 +122,57 @@ async fn greedy_qwen_pair_with_penalties_and_bias_is_identical_to_target_only() 
         println!("{prompt:?}: {} of {} drafts accepted under penalties", spec.stats.accepted, spec.stats.drafted);
     }
     assert_eq!(changed, 4, "penalties and bias should change every answer");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_qwen_pair_under_a_json_schema_is_identical_to_target_only_and_valid() {
+    let target = scorer(TARGET);
+    let draft = drafter(DRAFT, DrafterOptions::default()).await;
+    let person = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+        },
+        "required": ["name", "age", "languages"],
+        "additionalProperties": false,
+    });
+    let cases = [
+        ("Describe a fictional programmer as JSON with name, age and languages.", person.clone()),
+        ("Invent a person who writes Rust.", person),
+        ("List the first three prime numbers as a JSON object.", serde_json::json!({"type": "object"})),
+    ];
+    let vocabulary = target.vocabulary().unwrap();
+    let (mut drafted, mut accepted) = (0, 0);
+    for (prompt, schema) in cases {
+        let ids = draft.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap();
+        let grammar = vocabulary.compile(&GrammarConstraint::json_schema(schema.clone(), 0).grammar).unwrap();
+        let with = |d| GenerateParams { grammar: Some(grammar.clone()), draft_ahead: d > 0, ..params(d, 120, SamplingParams::greedy(), target.meta()) };
+        let reference = run(None, &target, &ids, &with(0)).await;
+        let spec = run(Some(&draft), &target, &ids, &with(4)).await;
+        assert_eq!(spec.tokens, reference.tokens, "prompt {prompt:?}");
+        assert_eq!(reference.finish, Finish::StopToken, "the JSON should be complete within 120 tokens: {prompt:?}");
+        let text = draft.decode(&reference.tokens[..reference.tokens.len() - 1]).await.unwrap();
+        let value: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
+        assert!(value.is_object(), "{text}");
+        if schema.get("required").is_some() {
+            let keys: Vec<&String> = value.as_object().unwrap().keys().collect();
+            assert_eq!(keys.len(), 3, "{text}");
+            assert!(
+                value["name"].is_string()
+                    && value["age"].is_i64()
+                    && value["languages"].as_array().is_some_and(|l| l.len() <= 3 && l.iter().all(|x| x.is_string())),
+                "{text}"
+            );
+        }
+        // The schema must be what shaped the answer: unconstrained, the model answers otherwise.
+        let free = run(None, &target, &ids, &params(0, 120, SamplingParams::greedy(), target.meta())).await;
+        assert_ne!(free.tokens, reference.tokens, "prompt {prompt:?}");
+        (drafted, accepted) = (drafted + spec.stats.drafted, accepted + spec.stats.accepted);
+        println!("{prompt:?}: {text}; {} of {} drafts accepted", spec.stats.accepted, spec.stats.drafted);
+    }
+    assert!(accepted * 2 >= drafted, "a masked draft should mostly be accepted: {accepted} of {drafted}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,13 +3,14 @@
 use axum::extract::State;
 use axum::response::Response;
 use serde_json::Value;
+use spade_core::grammar::{response_format_grammar, GrammarConstraint};
 use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, MessageContent, Role, Turn};
-use spade_core::tools::ToolSpec;
+use spade_core::tools::{forced_calls_grammar, CallFormat, ToolSpec};
 use spade_http::Json;
 
 use crate::error::ApiError;
 use crate::generation::{Job, ToolCalls};
-use crate::request::{self, refuse, Decoding, GenerationErrors};
+use crate::request::{self, refuse, Decoding, GenerationErrors, OutputGrammar};
 use crate::respond::Shape;
 use crate::state::AppState;
 
@@ -94,13 +95,12 @@ pub(crate) fn tool_specs(tools: Option<&Value>) -> Result<Vec<ToolSpec>, ApiErro
     Ok(specs)
 }
 
-pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
+/// `format` is how the model writes tool calls: what a forced call (`tool_choice` `required` or
+/// named) is held to.
+pub fn validate(req: ChatCompletionRequest, format: CallFormat) -> Result<ValidChat, ApiError> {
     let turns = chat_messages(&req.messages)?;
-    if let Some(format) = req.response_format.as_ref().filter(|f| !f.is_null()) {
-        if format.get("type").and_then(|t| t.as_str()) != Some("text") {
-            return Err(refuse("response_format", "only response_format {\"type\": \"text\"} is supported (no JSON mode or schemas)"));
-        }
-    }
+    let shaped = req.response_format.as_ref().map(response_format_grammar).transpose().map_err(|(param, message)| ApiError::invalid(param, message))?;
+    let mut grammar = shaped.flatten().map(|document| OutputGrammar { document, param: "response_format" });
     if req.functions.as_ref().is_some_and(|f| !f.is_null() && f.as_array().is_none_or(|a| !a.is_empty())) {
         return Err(refuse("functions", "functions (legacy function calling) are not supported: use tools"));
     }
@@ -109,16 +109,28 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
     }
     let tools = tool_specs(req.tools.as_ref())?;
     let choice = req.tool_choice.as_ref().filter(|c| !c.is_null());
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let calls_of = |tools: &[ToolSpec]| ToolCalls { parallel, names: tools.iter().map(|t| t.function.name.clone()).collect() };
+    // A forced call: the output is held to a grammar of the model's call format.
+    let mut force = |tools: &[ToolSpec], parallel: bool| {
+        if grammar.is_some() {
+            return Err(ApiError::invalid("tool_choice", "a forced tool_choice and a response_format cannot both shape the output"));
+        }
+        let lark = forced_calls_grammar(tools, format, parallel);
+        grammar = Some(OutputGrammar { document: GrammarConstraint::lark(lark, 0).grammar, param: "tool_choice" });
+        Ok(Some(ToolCalls { parallel, ..calls_of(tools) }))
+    };
     let tool_calls = match choice.map(|c| c.as_str()) {
-        None | Some(Some("auto")) if !tools.is_empty() => {
-            Some(ToolCalls { parallel: req.parallel_tool_calls.unwrap_or(true), names: tools.iter().map(|t| t.function.name.clone()).collect() })
-        }
+        None | Some(Some("auto")) if !tools.is_empty() => Some(calls_of(&tools)),
         None | Some(Some("auto")) | Some(Some("none")) => None,
-        Some(Some("required")) => {
-            return Err(refuse("tool_choice", "tool_choice \"required\" needs constrained decoding, which is not built yet: use \"auto\""))
-        }
+        Some(Some("required")) if tools.is_empty() => return Err(ApiError::invalid("tool_choice", "tool_choice \"required\" needs tools")),
+        Some(Some("required")) => force(&tools, parallel)?,
         Some(_) if choice.is_some_and(|c| c.get("function").is_some()) => {
-            return Err(refuse("tool_choice", "a named tool_choice needs constrained decoding, which is not built yet: use \"auto\""))
+            let name = choice.and_then(|c| c.pointer("/function/name")).and_then(Value::as_str).unwrap_or_default();
+            let Some(tool) = tools.iter().find(|t| t.function.name == name) else {
+                return Err(ApiError::invalid("tool_choice.function.name", format!("tool_choice names {name:?}, which is not one of the request's tools")));
+            };
+            force(std::slice::from_ref(tool), false)?
         }
         Some(_) => {
             return Err(ApiError::invalid(
@@ -133,7 +145,7 @@ pub fn validate(req: ChatCompletionRequest) -> Result<ValidChat, ApiError> {
         (false, None) => None,
     };
     let max_tokens = req.max_completion_tokens.map(|m| ("max_completion_tokens", m));
-    Ok(ValidChat { turns, tools, tool_calls, decoding: request::decoding(req.generation, max_tokens, top_logprobs)? })
+    Ok(ValidChat { turns, tools, tool_calls, decoding: Decoding { grammar, ..request::decoding(req.generation, max_tokens, top_logprobs)? } })
 }
 
 /// Create a chat completion.
@@ -161,7 +173,8 @@ pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<Cha
     state.metrics.record_request();
     // Failures after the generation starts are counted by the generation itself.
     let prepared = async {
-        let valid = validate(req)?;
+        let format = CallFormat::of_template(state.model()?.meta().chat_template.as_deref());
+        let valid = validate(req, format)?;
         let prompt = state.model()?.encode_conversation(&valid.turns, &valid.tools).await?;
         let job = Job { tool_calls: valid.tool_calls.clone(), ..request::job(&state, &valid.decoding, prompt, "messages").await? };
         Ok::<_, ApiError>((valid, job))

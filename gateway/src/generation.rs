@@ -9,13 +9,14 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
+use spade_core::grammar::{Grammar, GrammarConstraint};
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
 use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
 use spade_core::{IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
-use spade_engine::{DraftParams, EdgeModel, EngineError};
+use spade_engine::{DraftParams, EdgeModel, EngineError, SharedGrammar};
 use tokio::sync::mpsc;
 
 use crate::config::OfflineFallback;
@@ -45,6 +46,21 @@ pub struct Job {
     pub tool_calls: Option<ToolCalls>,
     /// Verify calls in the compact binary form (the verifier offers it and `--verify-wire binary`).
     pub binary: bool,
+    /// The grammar the output follows (structured outputs); None: free text.
+    pub grammar: Option<Constraint>,
+}
+
+/// A grammar as the verifier is sent it, and compiled for the draft.
+#[derive(Clone)]
+pub struct Constraint {
+    pub wire: GrammarConstraint,
+    pub compiled: Grammar,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint").field("wire", &self.wire).finish_non_exhaustive()
+    }
 }
 
 /// How a request's tool calls are found and handed over.
@@ -105,7 +121,12 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         max_new_tokens: job.max_tokens,
         draft_len: job.draft_len.clone(),
         draft_ahead: state.settings.draft_ahead,
-        draft: DraftParams { sampling: job.sampling.for_draft(state.settings.draft_top_k), penalties: job.penalties.clone(), seed: job.seed },
+        draft: DraftParams {
+            sampling: job.sampling.for_draft(state.settings.draft_top_k),
+            penalties: job.penalties.clone(),
+            grammar: job.grammar.as_ref().map(|g| SharedGrammar::new(g.compiled.start_at(g.wire.start as usize))),
+            seed: job.seed,
+        },
         stop_token_ids: model.meta().stop_token_ids.clone(),
         when_unreachable: match state.settings.fallback {
             OfflineFallback::Draft => WhenUnreachable::DraftAlone,
@@ -114,7 +135,8 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         start_degraded: !job.verify,
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
-    let mut remote = RemoteSession::new(state.clone(), rule, job.seed, job.top_logprobs, job.binary);
+    let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
+    let mut remote = RemoteSession::new(state.clone(), rule, grammar, job.seed, job.top_logprobs, job.binary);
     let mut output = Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
     let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
         LoopError::Engine(e) => ApiError::from(e),

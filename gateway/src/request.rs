@@ -2,23 +2,26 @@
 //! generation against the context and the verifier, and answering with it as JSON or SSE.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use rand::Rng;
 use serde_json::Value;
+use spade_core::grammar::{Grammar, GrammarConstraint};
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::{DraftLen, GenerationFields, StopSequences};
-use spade_core::protocol::{FEATURE_BINARY, FEATURE_PENALTIES};
+use spade_core::protocol::{FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES};
 use spade_core::rng::choice_seed;
 use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
 use spade_engine::speculative::DraftLength;
+use spade_engine::{EdgeModel, EngineError};
 use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
 
 use crate::config::{OfflineFallback, VerifyWire};
 use crate::error::ApiError;
-use crate::generation::{self, Event, Job};
+use crate::generation::{self, Constraint, Event, Job};
 use crate::respond::{self, Shape};
 use crate::state::AppState;
 
@@ -65,6 +68,15 @@ pub struct Decoding {
     pub draft_len: Option<DraftLen>,
     /// Choices: independent generations of the same prompt.
     pub n: u32,
+    /// The grammar the output must follow, compiled in [`job`].
+    pub grammar: Option<OutputGrammar>,
+}
+
+/// A grammar document (llguidance's format) and the request field that asked for it.
+#[derive(Debug, Clone)]
+pub struct OutputGrammar {
+    pub document: Value,
+    pub param: &'static str,
 }
 
 pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
@@ -124,6 +136,7 @@ pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, to
         top_logprobs,
         draft_len: g.spade.and_then(|s| s.draft_len),
         n,
+        grammar: None,
     })
 }
 
@@ -176,6 +189,10 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
                     "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it";
                 return Err(refuse(penalty_param(&d.penalties), message));
             }
+            if let Some(grammar) = d.grammar.as_ref().filter(|_| !info.features.iter().any(|f| f == FEATURE_GRAMMAR)) {
+                let message = "constrained output needs a verifier that applies grammars (feature \"grammar\" in its /v1/info); this one does not: upgrade it";
+                return Err(refuse(grammar.param, message));
+            }
             let binary = state.settings.verify_wire == VerifyWire::Binary && info.features.iter().any(|f| f == FEATURE_BINARY);
             (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true, binary)
         }
@@ -208,6 +225,10 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
     }
     let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() }).filter(|p| !p.is_noop());
+    let grammar = match &d.grammar {
+        Some(g) => Some(constraint(model, g, prompt.len()).await?),
+        None => None,
+    };
     Ok(Job {
         prompt,
         penalties,
@@ -221,7 +242,26 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         reproducible: d.seed.is_some() && !d.sampling.is_greedy(),
         tool_calls: None,
         binary,
+        grammar,
     })
+}
+
+/// Compiles the output's grammar against the draft model's vocabulary (the verifier compiles the
+/// same document against the identical target vocabulary): a bad schema is a 400 naming its field.
+async fn constraint(model: Arc<dyn EdgeModel>, grammar: &OutputGrammar, start: usize) -> Result<Constraint, ApiError> {
+    let wire = GrammarConstraint { grammar: grammar.document.clone(), start: start as u32 };
+    let document = wire.grammar.clone();
+    // The first use builds the vocabulary's token trie: blocking work.
+    let compiled = tokio::task::spawn_blocking(move || -> Result<Grammar, EngineError> { Ok(model.vocabulary()?.compile(&document)?) })
+        .await
+        .map_err(|e| ApiError::Internal(format!("compiling the grammar: {e}")))?;
+    match compiled {
+        Ok(compiled) => Ok(Constraint { wire, compiled }),
+        Err(EngineError::Grammar(e)) => {
+            Err(RequestError::Invalid { message: e.to_string(), param: Some(grammar.param.to_string()), code: Some("invalid_grammar") }.into())
+        }
+        Err(e) => Err(refuse(grammar.param, &format!("constrained output is not available with this draft model: {e}"))),
+    }
 }
 
 /// Runs the request's `n` generations (choice i seeded with [`choice_seed`]) and answers in `shape`:

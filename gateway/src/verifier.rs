@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 use reqwest::StatusCode;
+use spade_core::grammar::GrammarConstraint;
 use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken};
 use spade_core::wire::{decode_response, encode_request, BINARY_CONTENT_TYPE};
 use spade_core::DraftToken;
@@ -179,6 +180,8 @@ pub struct RemoteSession {
     state: AppState,
     id: String,
     rule: TargetRule,
+    /// Sent with every full context; the verifier's session keeps it for the calls that append.
+    grammar: Option<GrammarConstraint>,
     seed: u64,
     top_logprobs: Option<u8>,
     binary: bool,
@@ -191,12 +194,12 @@ pub struct RemoteSession {
 }
 
 impl RemoteSession {
-    pub fn new(state: AppState, rule: TargetRule, seed: u64, top_logprobs: Option<u8>, binary: bool) -> Self {
+    pub fn new(state: AppState, rule: TargetRule, grammar: Option<GrammarConstraint>, seed: u64, top_logprobs: Option<u8>, binary: bool) -> Self {
         // 72 random bits in 12 URL-safe characters: unique enough, and short, since every call carries it.
         const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let bits: u128 = rand::rng().random();
         let id = (0..12).map(|i| ALPHABET[(bits >> (6 * i)) as usize & 63] as char).collect();
-        Self { state, id, rule, seed, top_logprobs, binary, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
+        Self { state, id, rule, grammar, seed, top_logprobs, binary, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
     }
 }
 
@@ -211,6 +214,7 @@ impl BlockVerifier for RemoteSession {
                 draft: drafts.iter().map(WireDraftToken::from_draft).collect(),
                 sampling: self.rule.sampling,
                 penalties: self.rule.penalties.clone(),
+                grammar: if self.synced == 0 { self.grammar.clone() } else { None },
                 seed: self.seed,
                 top_logprobs: self.top_logprobs,
             };

@@ -92,6 +92,38 @@ async fn penalties_and_bias_over_http_equal_target_only_greedy_under_them() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_outputs_over_http_equal_target_only_greedy_under_the_schema() {
+    let schema = json!({
+        "type": "object",
+        "properties": {"answer": {"type": "integer"}, "sure": {"type": "boolean"}},
+        "required": ["answer", "sure"],
+        "additionalProperties": false,
+    });
+    let prompts = ["What is 12 times 12? Answer in JSON.", "How many legs has a spider?"];
+    let grammar = spade_core::grammar::GrammarConstraint::json_schema(schema.clone(), 0).grammar;
+    let expected = reference_constrained(&prompts, MAX_TOKENS, &grammar).await;
+    assert_ne!(expected, reference(&prompts, MAX_TOKENS).await, "the schema should change the answers");
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
+    let format = json!({"type": "json_schema", "json_schema": {"name": "reply", "strict": true, "schema": schema}});
+    for (prompt, expected) in prompts.iter().zip(&expected) {
+        let plain = complete(&gateway.url, &req(prompt, json!({"response_format": format}))).await;
+        assert_eq!(content(&plain), expected, "non-streamed: {prompt}");
+        let streamed = stream(&gateway.url, &req(prompt, json!({"response_format": format, "stream": true, "spade": {"draft_len": "auto"}}))).await;
+        assert_eq!(&streamed.text, expected, "streamed, auto: {prompt}");
+        if plain["choices"][0]["finish_reason"] == "stop" {
+            let v: Value = serde_json::from_str(expected).unwrap_or_else(|e| panic!("{expected:?}: {e}"));
+            assert!(v["answer"].is_i64() && v["sure"].is_boolean() && v.as_object().unwrap().len() == 2, "{v}");
+        }
+    }
+    // A schema llguidance cannot compile is a named 400, before anything runs.
+    let bad = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}});
+    let (status, v) = post(&gateway.url, &req(prompts[0], json!({"response_format": bad}))).await;
+    assert_eq!(status, 400, "{v}");
+    assert_eq!((v["error"]["param"].as_str(), v["error"]["code"].as_str()), (Some("response_format"), Some("invalid_grammar")), "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_completions_equal_target_only_greedy_on_the_raw_prompt() {
     const RAW: [&str; 2] = ["The sea is", "def fibonacci(n):"];
     let expected = reference_raw(&RAW, MAX_TOKENS).await;

@@ -389,7 +389,15 @@ async fn bad_requests_name_the_parameter() {
         (hello(json!({"logit_bias": {"50": "high"}})), "logit_bias"),
         (hello(json!({"logit_bias": {"257": 1}})), "logit_bias"),
         (hello(json!({"logit_bias": [1, 2]})), "logit_bias"),
+        // The fake draft model has no vocabulary to compile grammars against: refused by name.
         (hello(json!({"response_format": {"type": "json_object"}})), "response_format"),
+        (hello(json!({"response_format": {"type": "yaml"}})), "response_format.type"),
+        (hello(json!({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}})), "response_format.json_schema.name"),
+        (hello(json!({"tool_choice": "required"})), "tool_choice"),
+        (
+            hello(json!({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+            "tool_choice.function.name",
+        ),
         (hello(json!({"tools": {"type": "function"}})), "tools"),
         (hello(json!({"tools": [{"type": "function", "function": {"description": "no name"}}]})), "tools[0]"),
         (hello(json!({"tools": [{"type": "retrieval", "function": {"name": "f"}}]})), "tools[0].type"),

@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
-use spade_core::protocol::{ModelInfo, FEATURE_BINARY, FEATURE_PENALTIES};
+use spade_core::protocol::{ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES};
 use spade_core::ErrorBody;
 use spade_http::Json;
 use utoipa::ToSchema;
@@ -47,7 +47,7 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
         max_context: meta.max_context,
         max_draft: u32::try_from(state.limits.max_draft).unwrap_or(u32::MAX),
         max_top_logprobs: state.limits.max_top_logprobs,
-        features: vec![FEATURE_PENALTIES.to_string(), FEATURE_BINARY.to_string()],
+        features: vec![FEATURE_PENALTIES.to_string(), FEATURE_GRAMMAR.to_string(), FEATURE_BINARY.to_string()],
     }))
 }
 

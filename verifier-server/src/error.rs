@@ -3,6 +3,7 @@
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use spade_core::grammar::GrammarError;
 use spade_engine::EngineError;
 use spade_http::{ErrorResponse, RequestError};
 
@@ -54,6 +55,8 @@ impl From<EngineError> for ApiError {
         let invalid = |param: Option<&str>, code| RequestError::Invalid { message: e.to_string(), param: param.map(str::to_string), code }.into();
         match &e {
             EngineError::ContextTooLong { .. } => invalid(Some("context"), Some("context_length_exceeded")),
+            EngineError::Grammar(GrammarError::Invalid(_)) => invalid(Some("grammar"), Some("invalid_grammar")),
+            EngineError::Grammar(GrammarError::Violated { .. }) => invalid(Some("context"), Some("grammar_violated")),
             EngineError::TokenOutOfVocab { .. } | EngineError::InvalidRequest(_) | EngineError::Sampling(_) | EngineError::Verify(_) => invalid(None, None),
             other => Self::Internal(other.to_string()),
         }

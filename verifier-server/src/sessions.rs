@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use spade_core::grammar::GrammarState;
 use spade_engine::ScoreSession;
 use tokio::sync::Mutex as AsyncMutex;
 
@@ -10,11 +11,13 @@ use tokio::sync::Mutex as AsyncMutex;
 pub struct Session {
     pub score: Box<dyn ScoreSession>,
     pub committed: Vec<u32>,
+    /// The output's grammar, set by the call that sent the full context.
+    pub grammar: Option<GrammarState>,
 }
 
 impl Session {
     pub fn new(score: Box<dyn ScoreSession>) -> Self {
-        Self { score, committed: Vec::new() }
+        Self { score, committed: Vec::new(), grammar: None }
     }
 
     pub fn bytes(&self) -> usize {

@@ -6,11 +6,12 @@ use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use spade_core::grammar::GrammarConstraint;
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
 use spade_core::wire::{decode_request, encode_response, BINARY_CONTENT_TYPE};
 use spade_core::{DraftToken, ErrorBody};
 use spade_engine::round::{verify_round, TargetRule};
-use spade_engine::ModelMeta;
+use spade_engine::{EngineError, ModelMeta};
 use spade_http::{Json, RequestError};
 use tokio::sync::Mutex as AsyncMutex;
 
@@ -25,6 +26,7 @@ struct ValidVerify {
     context_start: usize,
     drafts: Vec<DraftToken>,
     rule: TargetRule,
+    grammar: Option<GrammarConstraint>,
     seed: u64,
     top_logprobs: Option<usize>,
 }
@@ -63,6 +65,14 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     if req.context_start == 0 && req.context.is_empty() {
         return Err(ApiError::invalid("context", "the context is empty"));
     }
+    if let Some(grammar) = &req.grammar {
+        if req.context_start > 0 {
+            return Err(ApiError::invalid("grammar", "a grammar comes with the full context (context_start 0); the session keeps it"));
+        }
+        if grammar.start as usize > req.context.len() {
+            return Err(ApiError::invalid("grammar.start", format!("grammar.start {} is past the context's {} tokens", grammar.start, req.context.len())));
+        }
+    }
     let mut drafts = Vec::with_capacity(req.draft.len());
     for (i, d) in req.draft.iter().enumerate() {
         if d.token >= meta.vocab_size {
@@ -80,6 +90,7 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
         context_start: req.context_start as usize,
         drafts,
         rule: TargetRule { sampling: req.sampling, penalties: req.penalties.filter(|p| !p.is_noop()) },
+        grammar: req.grammar,
         seed: req.seed,
         top_logprobs: req.top_logprobs.map(usize::from),
     })
@@ -189,10 +200,27 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let mut context = guard.committed[..valid.context_start].to_vec();
     context.extend_from_slice(&valid.context);
 
-    let ValidVerify { drafts, rule, seed, top_logprobs, session_id, .. } = valid;
+    let ValidVerify { drafts, rule, grammar, seed, top_logprobs, session_id, context_start, .. } = valid;
     let drafted = drafts.len();
     let (mut guard, context, result) = tokio::task::spawn_blocking(move || {
-        let result = verify_round(guard.score.as_mut(), &context, &drafts, &rule, seed, top_logprobs);
+        let result = (|| {
+            // A full context starts the session over, with its grammar or none.
+            if context_start == 0 {
+                guard.grammar = match &grammar {
+                    Some(g) => {
+                        let vocabulary =
+                            scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
+                        Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize))
+                    }
+                    None => None,
+                };
+            }
+            let session = &mut *guard;
+            if let Some(state) = &mut session.grammar {
+                state.sync(&context)?;
+            }
+            verify_round(session.score.as_mut(), &context, &drafts, &rule, session.grammar.as_mut(), seed, top_logprobs)
+        })();
         (guard, context, result)
     })
     .await

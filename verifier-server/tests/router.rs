@@ -253,7 +253,7 @@ async fn authentication_is_required_except_for_health() {
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
     // The limits a gateway must respect, so it can check its settings before it is ready.
     assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
-    assert_eq!(v["features"], json!(["penalties", "binary"]));
+    assert_eq!(v["features"], json!(["penalties", "grammar", "binary"]));
     let (_, v, _) = call(&state(&["--max-draft", "2"], true), "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!(v["max_draft"].as_u64(), Some(2));
 }

@@ -3,10 +3,12 @@
 mod model;
 mod qweight;
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
-use crate::gguf::{GgufFile, ModelMeta, ModelSource};
+use spade_core::grammar::Vocabulary;
+
+use crate::gguf::{read_vocabulary, GgufFile, ModelMeta, ModelSource};
 use crate::{EngineError, ScoreSession, Scorer};
 pub use model::KvCache;
 use model::Transformer;
@@ -15,6 +17,9 @@ use model::Transformer;
 pub struct CandleScorer {
     model: Arc<Transformer>,
     meta: ModelMeta,
+    path: PathBuf,
+    /// Built on the first constrained request: most never need it.
+    vocabulary: OnceLock<Result<Vocabulary, String>>,
 }
 
 impl CandleScorer {
@@ -31,7 +36,7 @@ impl CandleScorer {
         let meta = gguf.meta()?;
         let model = Transformer::load(&mut gguf)?;
         let meta = ModelMeta { vocab_size: model.vocab_size() as u32, ..meta };
-        Ok(Self { model: Arc::new(model), meta })
+        Ok(Self { model: Arc::new(model), meta, path: path.to_path_buf(), vocabulary: OnceLock::new() })
     }
 
     /// The model's facts, without going through the `Scorer` trait.
@@ -52,6 +57,11 @@ impl Scorer for CandleScorer {
 
     fn new_session(&self) -> Box<dyn ScoreSession> {
         Box::new(CandleSession { cache: self.model.new_cache(), model: self.model.clone(), tokens: Vec::new(), meta: self.meta.clone() })
+    }
+
+    fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
+        let built = self.vocabulary.get_or_init(|| read_vocabulary(&self.path, &self.meta).map_err(|e| e.to_string()));
+        built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
     }
 }
 

@@ -134,15 +134,26 @@ pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
 
 /// [`reference`] under penalties and logit bias (their `prompt_len` is set per prompt).
 pub async fn reference_with(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>) -> Vec<String> {
-    reference_of(prompts, max_tokens, penalties, false).await
+    reference_of(prompts, max_tokens, penalties, None, false).await
+}
+
+/// [`reference`] with the output held to a grammar document (llguidance's format).
+pub async fn reference_constrained(prompts: &[&str], max_tokens: usize, grammar: &serde_json::Value) -> Vec<String> {
+    reference_of(prompts, max_tokens, None, Some(grammar), false).await
 }
 
 /// [`reference`] for raw prompts (`/v1/completions`): no chat template, the tokenizer's special tokens.
 pub async fn reference_raw(prompts: &[&str], max_tokens: usize) -> Vec<String> {
-    reference_of(prompts, max_tokens, None, true).await
+    reference_of(prompts, max_tokens, None, None, true).await
 }
 
-async fn reference_of(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>, raw: bool) -> Vec<String> {
+async fn reference_of(
+    prompts: &[&str],
+    max_tokens: usize,
+    penalties: Option<spade_core::Penalties>,
+    grammar: Option<&serde_json::Value>,
+    raw: bool,
+) -> Vec<String> {
     let source = ModelSource::Local(tiny());
     let edge = MistralDrafter::load(&source, Default::default()).await.unwrap();
     let scorer = CandleScorer::load(&tiny()).unwrap();
@@ -157,6 +168,7 @@ async fn reference_of(prompts: &[&str], max_tokens: usize, penalties: Option<spa
             sampling: spade_core::SamplingParams::greedy(),
             draft_sampling: spade_core::SamplingParams::greedy(),
             penalties: penalties.clone().map(|p| spade_core::Penalties { prompt_len: ids.len() as u32, ..p }),
+            grammar: grammar.map(|g| scorer.vocabulary().unwrap().compile(g).unwrap()),
             seed: 0,
             stop_token_ids: scorer.meta().stop_token_ids.clone(),
         };
