@@ -48,7 +48,8 @@ bash scripts/quickstart.sh --stop >/dev/null
 bash scripts/quickstart.sh --background >/dev/null 2>&1 || { tail -n 30 "$SPADE_RUN_DIR"/*.log >&2; exit 1; }
 url="http://127.0.0.1:$SPADE_GATEWAY_PORT"
 "$venv/bin/python" tests/openai_tools_check.py "$url/v1" >"$SPADE_RUN_DIR/tools.json"
-echo "sdk_e2e: openai SDK tools (Qwen pair): tool_calls -> tool message -> answer, streamed and not, equal to target-only; parallel_tool_calls"
+echo "sdk_e2e: openai SDK tools (Qwen pair): tool_calls -> tool message -> answer, streamed and not, equal to target-only; parallel_tool_calls; forced calls and parse(response_format=Pydantic) equal to target-only"
+python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print("sdk_e2e: parsed", json.dumps(r["parsed"]), "forced", json.dumps([v for k, v in r.items() if k.startswith("forced")]))' "$SPADE_RUN_DIR/tools.json"
 node_dir="${SPADE_NODE_DIR:-$HOME/.cache/spade/node}"
 if [ ! -d "$node_dir/node_modules/openai" ]; then
   mkdir -p "$node_dir"

@@ -59,7 +59,7 @@ pub fn response_format_grammar(format: &serde_json::Value) -> Result<Option<serd
             let Some(spec) = format.get("json_schema").filter(|s| s.is_object()) else {
                 return err("response_format.json_schema", "response_format of type json_schema needs a json_schema object with a name and a schema");
             };
-            if !spec.get("name").is_some_and(|n| n.as_str().is_some_and(|n| !n.is_empty())) {
+            if spec.get("name").and_then(|n| n.as_str()).is_none_or(str::is_empty) {
                 return err("response_format.json_schema.name", "json_schema.name must be a non-empty string");
             }
             match spec.get("schema") {

@@ -114,7 +114,7 @@ pub fn validate(req: ChatCompletionRequest, format: CallFormat) -> Result<ValidC
     // A forced call: the output is held to a grammar of the model's call format.
     let mut force = |tools: &[ToolSpec], parallel: bool| {
         if grammar.is_some() {
-            return Err(ApiError::invalid("tool_choice", "a forced tool_choice and a response_format cannot both shape the output"));
+            return Err(refuse("tool_choice", "a forced tool_choice and a response_format cannot both shape the output"));
         }
         let lark = forced_calls_grammar(tools, format, parallel);
         grammar = Some(OutputGrammar { document: GrammarConstraint::lark(lark, 0).grammar, param: "tool_choice" });
