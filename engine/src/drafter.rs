@@ -30,7 +30,7 @@ use spade_core::{distribution, DraftToken, History};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
-use crate::gguf::{read_meta, read_vocabulary, ModelMeta, ModelSource};
+use crate::gguf::{read_meta, LazyVocabulary, ModelMeta, ModelSource};
 use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
@@ -77,9 +77,7 @@ pub struct MistralDrafter {
     active: AtomicUsize,
     /// Resident memory once loaded, the base of `cache_budget_bytes`.
     baseline_rss: Option<usize>,
-    path: std::path::PathBuf,
-    /// Built on the first constrained request: most never need it.
-    vocabulary: std::sync::OnceLock<Result<Vocabulary, String>>,
+    vocabulary: LazyVocabulary,
 }
 
 impl MistralDrafter {
@@ -119,8 +117,7 @@ impl MistralDrafter {
             options,
             active: Default::default(),
             baseline_rss: resident_bytes(),
-            path: path.clone(),
-            vocabulary: Default::default(),
+            vocabulary: LazyVocabulary::new(&path),
         })
     }
 
@@ -489,8 +486,7 @@ impl crate::EdgeModel for MistralDrafter {
     }
 
     fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
-        let built = self.vocabulary.get_or_init(|| read_vocabulary(&self.path, &self.meta).map_err(|e| e.to_string()));
-        built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
+        self.vocabulary.get(&self.meta)
     }
 
     fn token_piece(&self, id: u32) -> Option<String> {

@@ -166,6 +166,24 @@ pub fn read_vocabulary(path: &Path, meta: &ModelMeta) -> Result<Vocabulary, Engi
     Ok(Vocabulary::new(&tokens, &kinds, spelling, meta.vocab_size, &meta.stop_token_ids)?)
 }
 
+/// A model file's [`Vocabulary`], built on first use: most requests never need one.
+pub(crate) struct LazyVocabulary {
+    path: PathBuf,
+    built: std::sync::OnceLock<Result<Vocabulary, String>>,
+}
+
+impl LazyVocabulary {
+    pub fn new(path: &Path) -> Self {
+        Self { path: path.to_path_buf(), built: Default::default() }
+    }
+
+    /// Blocking the first time.
+    pub fn get(&self, meta: &ModelMeta) -> Result<&Vocabulary, EngineError> {
+        let built = self.built.get_or_init(|| read_vocabulary(&self.path, meta).map_err(|e| e.to_string()));
+        built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
+    }
+}
+
 /// Refuses a draft/target pair whose token ids do not mean the same text.
 pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<(), EngineError> {
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint {

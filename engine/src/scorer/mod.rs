@@ -3,12 +3,12 @@
 mod model;
 mod qweight;
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock};
+use std::path::Path;
+use std::sync::Arc;
 
 use spade_core::grammar::Vocabulary;
 
-use crate::gguf::{read_vocabulary, GgufFile, ModelMeta, ModelSource};
+use crate::gguf::{GgufFile, LazyVocabulary, ModelMeta, ModelSource};
 use crate::{EngineError, ScoreSession, Scorer};
 pub use model::KvCache;
 use model::Transformer;
@@ -17,9 +17,7 @@ use model::Transformer;
 pub struct CandleScorer {
     model: Arc<Transformer>,
     meta: ModelMeta,
-    path: PathBuf,
-    /// Built on the first constrained request: most never need it.
-    vocabulary: OnceLock<Result<Vocabulary, String>>,
+    vocabulary: LazyVocabulary,
 }
 
 impl CandleScorer {
@@ -36,7 +34,7 @@ impl CandleScorer {
         let meta = gguf.meta()?;
         let model = Transformer::load(&mut gguf)?;
         let meta = ModelMeta { vocab_size: model.vocab_size() as u32, ..meta };
-        Ok(Self { model: Arc::new(model), meta, path: path.to_path_buf(), vocabulary: OnceLock::new() })
+        Ok(Self { model: Arc::new(model), meta, vocabulary: LazyVocabulary::new(path) })
     }
 
     /// The model's facts, without going through the `Scorer` trait.
@@ -60,8 +58,7 @@ impl Scorer for CandleScorer {
     }
 
     fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
-        let built = self.vocabulary.get_or_init(|| read_vocabulary(&self.path, &self.meta).map_err(|e| e.to_string()));
-        built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
+        self.vocabulary.get(&self.meta)
     }
 }
 
