@@ -28,6 +28,9 @@ use crate::state::AppState;
 const MAX_STOPS: usize = 16;
 /// Most choices (`n`) one request may ask for: each is a generation of its own.
 const MAX_CHOICES: u32 = 16;
+/// The draft length of a seeded sampled request whose draft length is `auto` (a fixed one keeps it
+/// reproducible; 4 is the usual fixed choice).
+const SEEDED_DRAFT_LEN: usize = 4;
 
 /// The error answers of both generation endpoints, documented once (OpenAPI only).
 #[derive(utoipa::IntoResponses)]
@@ -202,11 +205,15 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         }
         Err(e) => return Err(e),
     };
+    let reproducible = d.seed.is_some() && !d.sampling.is_greedy();
     let draft_len = match d.draft_len.unwrap_or(state.settings.draft_len).fixed() {
         Some(n) if n as usize > max_draft && d.draft_len.is_some() => {
             return Err(ApiError::invalid("spade.draft_len", format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")")));
         }
         Some(n) => DraftLength::Fixed(n as usize),
+        // Which tokens a sampled generation commits depends on what was drafted, and `auto` chooses
+        // from measured times: a seeded request drafts a fixed length so that it reproduces.
+        None if reproducible => DraftLength::Fixed(SEEDED_DRAFT_LEN.min(max_draft)),
         None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone() },
     };
     let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some(prompt_param.into()), code: Some("context_length_exceeded") });
@@ -239,7 +246,7 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         top_logprobs: d.top_logprobs,
         draft_len,
         verify,
-        reproducible: d.seed.is_some() && !d.sampling.is_greedy(),
+        reproducible,
         tool_calls: None,
         binary,
         grammar,
