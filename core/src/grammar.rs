@@ -96,17 +96,19 @@ pub enum Spelling {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenKind {
     Normal,
-    /// Control and unknown tokens: never text; end-of-sequence ones are allowed where the grammar may end.
+    /// Control, unknown and padding tokens: never text; end-of-sequence ones are allowed where the
+    /// grammar may end.
     Special,
     /// A SentencePiece byte token, `<0xNN>`.
     Byte,
 }
 
 impl TokenKind {
-    /// From GGUF's token type numbers (llama.cpp's `llama_token_type`).
+    /// From GGUF's token type numbers (llama.cpp's `llama_token_type`): unknown, control and unused
+    /// (padding) tokens are never text.
     pub fn from_gguf(kind: i32) -> Self {
         match kind {
-            2 | 3 => Self::Special,
+            2 | 3 | 5 => Self::Special,
             6 => Self::Byte,
             _ => Self::Normal,
         }

@@ -104,7 +104,8 @@ pub struct VerifyResponse {
 pub struct ModelInfo {
     pub model: String,
     pub vocab_size: u32,
-    /// Hash of the tokenizer's vocabulary: gateways refuse a verifier whose fingerprint differs.
+    /// sha256 of the token list without its trailing padding: gateways refuse a verifier whose
+    /// fingerprint differs ([`vocabulary_mismatch`]).
     pub tokenizer_fingerprint: String,
     /// Most tokens of context plus draft one call may hold.
     pub max_context: u32,
@@ -119,6 +120,30 @@ pub struct ModelInfo {
     pub features: Vec<String>,
 }
 
+/// Most rows by which a draft's and a target's logits may differ: padding rows past their shared
+/// tokens (Qwen2.5-Coder's 0.5B has 151,936, its 7B and 32B 152,064), as llama.cpp allows.
+pub const MAX_VOCAB_PADDING: u32 = 128;
+
+/// Why a draft model cannot draft for a target, or None when it can: the same tokens (fingerprints
+/// of each token list without its trailing padding) and logits at most [`MAX_VOCAB_PADDING`] rows
+/// apart in width.
+pub fn vocabulary_mismatch(draft_fingerprint: &str, draft_width: u32, target_fingerprint: &str, target_width: u32) -> Option<String> {
+    let short = |f: &str| f.chars().take(12).collect::<String>();
+    if draft_fingerprint != target_fingerprint {
+        return Some(format!(
+            "the token lists differ (tokenizer fingerprint {} for the draft, {} for the target); speculative decoding needs one shared tokenizer",
+            short(draft_fingerprint),
+            short(target_fingerprint)
+        ));
+    }
+    if draft_width.abs_diff(target_width) > MAX_VOCAB_PADDING {
+        return Some(format!(
+            "the draft's logits are {draft_width} rows wide and the target's {target_width}: the same tokens, but more than {MAX_VOCAB_PADDING} rows of padding apart"
+        ));
+    }
+    None
+}
+
 /// `VerifyRequest::penalties` is honoured.
 pub const FEATURE_PENALTIES: &str = "penalties";
 
@@ -127,3 +152,20 @@ pub const FEATURE_GRAMMAR: &str = "grammar";
 
 /// `/verify` takes and gives the binary form of [`crate::wire`].
 pub const FEATURE_BINARY: &str = "binary";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pairs_may_differ_by_padding_rows_only() {
+        let (a, b) = ("a".repeat(64), "b".repeat(64));
+        assert_eq!(vocabulary_mismatch(&a, 151_936, &a, 151_936), None);
+        assert_eq!(vocabulary_mismatch(&a, 151_936, &a, 152_064), None, "Qwen2.5-Coder 0.5B drafting for its 7B");
+        assert_eq!(vocabulary_mismatch(&a, 152_064, &a, 151_936), None);
+        let wide = vocabulary_mismatch(&a, 151_936, &a, 152_065).unwrap();
+        assert!(wide.contains("151936") && wide.contains("152065") && wide.contains("128"), "{wide}");
+        let other = vocabulary_mismatch(&a, 151_936, &b, 151_936).unwrap();
+        assert!(other.contains("aaaaaaaaaaaa") && other.contains("bbbbbbbbbbbb"), "{other}");
+    }
+}

@@ -283,6 +283,8 @@ fn new_request(
 struct Recorder {
     /// Length of the committed context: the first drafted token's position.
     start: usize,
+    /// [`ModelMeta::text_tokens`]: ids from here on are padding.
+    text_tokens: usize,
     n: usize,
     params: DraftParams,
     /// The penalties' counts, grown by each token this round draws (None without penalties).
@@ -314,6 +316,8 @@ impl CustomLogitsProcessor for Recorder {
             return force(end);
         }
         let mut logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        // Padding rows are no text, and may lie past the target's own rows.
+        logits_vec.iter_mut().skip(self.text_tokens).for_each(|l| *l = f32::NEG_INFINITY);
         let mut history = self.history.as_ref().map(|h| h.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         if let Some(history) = &history {
             history.apply(&mut logits_vec);
@@ -394,6 +398,7 @@ impl Drafter for MistralDrafter {
         let grammar_context = params.grammar.as_ref().map(|_| std::sync::Mutex::new(committed.to_vec()));
         let recorder = Arc::new(Recorder {
             start: committed.len(),
+            text_tokens: self.meta.text_tokens as usize,
             n,
             params: params.clone(),
             history,

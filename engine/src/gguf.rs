@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{Content, Value};
 use sha2::{Digest, Sha256};
 use spade_core::grammar::{Spelling, TokenKind, Vocabulary};
+use spade_core::protocol::vocabulary_mismatch;
 
 use crate::EngineError;
 
@@ -60,11 +61,18 @@ pub struct ModelMeta {
     pub vocab_size: u32,
     /// Tokens that end a generation.
     pub stop_token_ids: Vec<u32>,
-    /// sha256 of the token list: equal fingerprints mean token ids mean the same text.
+    /// sha256 of the token list without its trailing padding: equal fingerprints mean token ids
+    /// mean the same text.
     pub tokenizer_fingerprint: String,
+    /// Ids from here on are padding (llama.cpp's `[PAD…]` tokens, or rows past the token list):
+    /// never text, so never sampled.
+    pub text_tokens: u32,
     pub max_context: u32,
     pub chat_template: Option<String>,
 }
+
+/// GGUF's token type of unused (padding) tokens.
+const UNUSED_TOKEN: i32 = 5;
 
 /// Common names of end-of-turn tokens, stopped on alongside `tokenizer.ggml.eos_token_id`.
 const END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>", "<end_of_turn>"];
@@ -119,8 +127,16 @@ impl GgufFile {
             .iter()
             .map(|v| v.to_string().cloned().unwrap_or_default())
             .collect();
+        // llama.cpp pads a token list to the output's rows with unused `[PAD<id>]` tokens; models that
+        // differ only there share a tokenizer.
+        let kinds: Vec<i32> = match self.get("tokenizer.ggml.token_type") {
+            Ok(v) => v.to_vec().map_err(|e| EngineError::load(&self.path, e))?.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
+            Err(_) => Vec::new(),
+        };
+        let is_padding = |i: usize| kinds.get(i) == Some(&UNUSED_TOKEN) && tokens[i].starts_with("[PAD");
+        let text_tokens = (0..tokens.len()).rev().find(|&i| !is_padding(i)).map_or(0, |i| i + 1);
         let mut hasher = Sha256::new();
-        for t in &tokens {
+        for t in &tokens[..text_tokens] {
             hasher.update(t.as_bytes());
             hasher.update([0u8]);
         }
@@ -143,6 +159,7 @@ impl GgufFile {
             vocab_size,
             stop_token_ids,
             tokenizer_fingerprint: fingerprint,
+            text_tokens: (text_tokens as u32).min(vocab_size),
             chat_template: self.string("tokenizer.chat_template").ok(),
         })
     }
@@ -184,18 +201,12 @@ impl LazyVocabulary {
     }
 }
 
-/// Refuses a draft/target pair whose token ids do not mean the same text.
+/// Refuses a draft/target pair whose token ids do not mean the same text (padding rows apart).
 pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<(), EngineError> {
-    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint {
-        return Err(EngineError::VocabMismatch(format!(
-            "draft {} has tokenizer fingerprint {}, target {} has {}; speculative decoding needs one shared tokenizer",
-            draft.name,
-            &draft.tokenizer_fingerprint[..12],
-            target.name,
-            &target.tokenizer_fingerprint[..12]
-        )));
+    match vocabulary_mismatch(&draft.tokenizer_fingerprint, draft.vocab_size, &target.tokenizer_fingerprint, target.vocab_size) {
+        Some(why) => Err(EngineError::VocabMismatch(format!("draft {} and target {}: {why}", draft.name, target.name))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// Reads the metadata of a local GGUF file.

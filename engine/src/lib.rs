@@ -143,6 +143,10 @@ pub trait ScoreSession: Send {
     fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError>;
     /// The token ids whose KV rows are cached.
     fn cached_tokens(&self) -> &[u32];
+    /// Ids from here on are padding rows of the logits ([`ModelMeta::text_tokens`]): never sampled.
+    fn text_tokens(&self) -> usize {
+        usize::MAX
+    }
     /// Drops cached positions from `len` on.
     fn truncate(&mut self, len: usize);
     fn memory_bytes(&self) -> usize;

@@ -71,8 +71,14 @@ pub fn verify_round(
     tokens.extend_from_slice(context);
     tokens.extend_from_slice(&draft_tokens);
     let started = Instant::now();
-    let logits = session.score(&tokens, drafts.len() + 1)?;
+    let mut logits = session.score(&tokens, drafts.len() + 1)?;
     let forward_time = started.elapsed();
+    // Padding rows are no text: masked in every mode (log-probabilities included), so a target
+    // paired with a draft that lacks them answers exactly as it does alone.
+    let text_tokens = session.text_tokens();
+    for row in &mut logits {
+        row.iter_mut().skip(text_tokens).for_each(|l| *l = f32::NEG_INFINITY);
+    }
     let p = match grammar {
         Some(grammar) => {
             let mut masked = logits.clone();

@@ -498,6 +498,7 @@ mod tests {
             vocab_size: 5000,
             stop_token_ids: vec![4999],
             tokenizer_fingerprint: String::new(),
+            text_tokens: 5000,
             max_context: 4096,
             chat_template: None,
         }

@@ -183,7 +183,8 @@ fn penalty_param(p: &Penalties) -> &'static str {
 /// `prompt_param` names the request field a too-long prompt came from.
 pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param: &str) -> Result<Job, ApiError> {
     let model = state.model()?.clone();
-    d.penalties.validate(model.meta().vocab_size).map_err(invalid_sampling)?;
+    // Padding ids are no tokens (and may lie past the verifier's rows).
+    d.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
     let max_draft_len = state.settings.max_draft_len;
     let (max_context, max_draft, verify, binary) = match state.verifier_info().await {
         Ok(info) => {

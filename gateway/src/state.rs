@@ -6,7 +6,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use spade_core::draft_control::{DraftChoice, DraftController, Estimates};
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::DraftLen;
-use spade_core::protocol::ModelInfo;
+use spade_core::protocol::{vocabulary_mismatch, ModelInfo};
 use spade_engine::EdgeModel;
 use spade_http::{HttpSettings, ModelSlot};
 
@@ -99,11 +99,8 @@ impl Gateway {
         }
         if let Some(model) = self.draft_model.get() {
             let draft = model.meta();
-            if draft.tokenizer_fingerprint != info.tokenizer_fingerprint || draft.vocab_size != info.vocab_size {
-                return VerifierStatus::Mismatch(format!(
-                    "the verifier's model {} does not share the draft model's tokenizer ({} tokens vs {})",
-                    info.model, info.vocab_size, draft.vocab_size
-                ));
+            if let Some(why) = vocabulary_mismatch(&draft.tokenizer_fingerprint, draft.vocab_size, &info.tokenizer_fingerprint, info.vocab_size) {
+                return VerifierStatus::Mismatch(format!("the verifier's model {} cannot be drafted for by {}: {why}", info.model, draft.name));
             }
             *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
         }

@@ -124,6 +124,17 @@ async fn structured_outputs_over_http_equal_target_only_greedy_under_the_schema(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_with_padding_rows_the_draft_lacks_is_accepted_and_answers_as_target_only() {
+    // SmolLM2 padded with 64 unused rows, as llama.cpp pads Qwen2.5's larger models.
+    let padded = spade_test_support::models::padded_copy(&spade_test_support::models::tiny(), 64, 0);
+    let verifier = start_verifier_on(0, &["--model", padded.to_str().unwrap()]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
+    let expected = reference(&PROMPTS[..1], MAX_TOKENS).await;
+    let plain = complete(&gateway.url, &req(PROMPTS[0], json!({}))).await;
+    assert_eq!(content(&plain), expected[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn legacy_completions_equal_target_only_greedy_on_the_raw_prompt() {
     const RAW: [&str; 2] = ["The sea is", "def fibonacci(n):"];
     let expected = reference_raw(&RAW, MAX_TOKENS).await;

@@ -36,6 +36,7 @@ pub fn meta(name: &str, vocab_size: u32, max_context: u32) -> ModelMeta {
         vocab_size,
         stop_token_ids: vec![vocab_size - 1],
         tokenizer_fingerprint: "f".repeat(64),
+        text_tokens: vocab_size,
         max_context,
         chat_template: None,
     }

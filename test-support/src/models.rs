@@ -1,7 +1,12 @@
 //! The real models the tests use, fetched by `scripts/fetch-models.sh` into `models/` (or the
 //! folder `SPADE_MODELS_DIR` names).
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::Device;
 
 /// SmolLM2 135M: small enough for every end-to-end test, and both stacks (mistral.rs drafting,
 /// the candle scorer) run it.
@@ -19,4 +24,47 @@ pub fn model_path(name: &str) -> PathBuf {
 
 pub fn tiny() -> PathBuf {
     model_path(TINY)
+}
+
+/// A copy of GGUF model `src` with `rows` padding rows appended to its vocabulary, the way llama.cpp's
+/// converter pads: unused `[PAD<id>]` tokens, and rows appended to the embedding (and output) matrix.
+/// Each new row is a copy of row `fill`, so the padding ids score exactly as token `fill` does: a
+/// target that did not mask them would sample them. Written once into the system's temp folder.
+pub fn padded_copy(src: &Path, rows: usize, fill: usize) -> PathBuf {
+    let name = src.file_name().unwrap().to_string_lossy();
+    let out = std::env::temp_dir().join(format!("spade-padded-{rows}-{fill}-{name}"));
+    if out.is_file() {
+        return out;
+    }
+    let mut file = File::open(src).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut metadata = content.metadata.clone();
+    let Some(Value::Array(tokens)) = metadata.get_mut("tokenizer.ggml.tokens") else { panic!("{name} has no token list") };
+    let first = tokens.len();
+    tokens.extend((first..first + rows).map(|i| Value::String(format!("[PAD{i}]"))));
+    if let Some(Value::Array(kinds)) = metadata.get_mut("tokenizer.ggml.token_type") {
+        kinds.extend((0..rows).map(|_| Value::I32(5)));
+    }
+    let mut tensors = Vec::new();
+    for tensor_name in content.tensor_infos.keys() {
+        let mut tensor = content.tensor(&mut file, tensor_name, &Device::Cpu).unwrap();
+        if tensor_name == "token_embd.weight" || tensor_name == "output.weight" {
+            let dims = tensor.shape().dims().to_vec();
+            let mut data = tensor.data().unwrap().into_owned();
+            let row_bytes = data.len() / dims[0];
+            let row = data[fill * row_bytes..(fill + 1) * row_bytes].to_vec();
+            (0..rows).for_each(|_| data.extend_from_slice(&row));
+            tensor = qtensor_from_ggml(tensor.dtype(), &data, vec![dims[0] + rows, dims[1]], &Device::Cpu).unwrap();
+        }
+        tensors.push((tensor_name.clone(), tensor));
+    }
+    // Written aside and renamed, so tests running at once never read half a file.
+    let partial = out.with_extension(format!("{}.partial", std::process::id()));
+    let mut writer = std::io::BufWriter::new(File::create(&partial).unwrap());
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut writer, &metadata, &tensors).unwrap();
+    drop(writer);
+    std::fs::rename(&partial, &out).unwrap();
+    out
 }

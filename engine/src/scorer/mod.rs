@@ -33,7 +33,8 @@ impl CandleScorer {
         let mut gguf = GgufFile::open(path)?;
         let meta = gguf.meta()?;
         let model = Transformer::load(&mut gguf)?;
-        let meta = ModelMeta { vocab_size: model.vocab_size() as u32, ..meta };
+        let width = model.vocab_size() as u32;
+        let meta = ModelMeta { vocab_size: width, text_tokens: meta.text_tokens.min(width), ..meta };
         Ok(Self { model: Arc::new(model), meta, vocabulary: LazyVocabulary::new(path) })
     }
 
@@ -92,6 +93,10 @@ impl ScoreSession for CandleSession {
 
     fn cached_tokens(&self) -> &[u32] {
         &self.tokens
+    }
+
+    fn text_tokens(&self) -> usize {
+        self.meta.text_tokens as usize
     }
 
     fn truncate(&mut self, len: usize) {

@@ -28,11 +28,10 @@ pub async fn health(url: &str) -> (u16, Value) {
     }
 }
 
-/// A verifier with the tiny model on `port` (0 = a free one), not waited for.
+/// A verifier (with the tiny model unless `extra` names one) on `port` (0 = a free one), not waited for.
 pub fn spawn_verifier_on(port: u16, extra: &[&str]) -> Server {
     let tiny = tiny();
-    let mut args = vec!["--model", tiny.to_str().unwrap()];
-    args.extend(unless_given(extra, &[("--log", "warn")]));
+    let mut args = unless_given(extra, &[("--model", tiny.to_str().unwrap()), ("--log", "warn")]);
     args.extend_from_slice(extra);
     Server::spawn(&verifier_bin(), "verifier", port, &args, &[("SPADE_VERIFIER_API_KEY", KEY)])
 }
