@@ -118,21 +118,22 @@ impl GgufFile {
         self.string("general.architecture")
     }
 
-    pub fn meta(&self) -> Result<ModelMeta, EngineError> {
-        let arch = self.architecture()?;
-        let tokens: Vec<String> = self
-            .get("tokenizer.ggml.tokens")?
-            .to_vec()
-            .map_err(|e| EngineError::load(&self.path, e))?
-            .iter()
-            .map(|v| v.to_string().cloned().unwrap_or_default())
-            .collect();
-        // llama.cpp pads a token list to the output's rows with unused `[PAD<id>]` tokens; models that
-        // differ only there share a tokenizer.
-        let kinds: Vec<i32> = match self.get("tokenizer.ggml.token_type") {
-            Ok(v) => v.to_vec().map_err(|e| EngineError::load(&self.path, e))?.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
+    /// The token list, and each token's GGUF type (empty where the file has none).
+    fn tokens(&self) -> Result<(Vec<String>, Vec<i32>), EngineError> {
+        let list = |key: &str| self.get(key)?.to_vec().map_err(|e| EngineError::load(&self.path, e));
+        let tokens = list("tokenizer.ggml.tokens")?.iter().map(|v| v.to_string().cloned().unwrap_or_default()).collect();
+        let kinds = match self.get("tokenizer.ggml.token_type") {
+            Ok(_) => list("tokenizer.ggml.token_type")?.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
             Err(_) => Vec::new(),
         };
+        Ok((tokens, kinds))
+    }
+
+    pub fn meta(&self) -> Result<ModelMeta, EngineError> {
+        let arch = self.architecture()?;
+        let (tokens, kinds) = self.tokens()?;
+        // llama.cpp pads a token list to the output's rows with unused `[PAD<id>]` tokens; models that
+        // differ only there share a tokenizer.
         let is_padding = |i: usize| kinds.get(i) == Some(&UNUSED_TOKEN) && tokens[i].starts_with("[PAD");
         let text_tokens = (0..tokens.len()).rev().find(|&i| !is_padding(i)).map_or(0, |i| i + 1);
         let mut hasher = Sha256::new();
@@ -169,12 +170,8 @@ impl GgufFile {
 /// the fingerprint hashes). Blocking: reads the file's metadata and builds llguidance's token trie.
 pub fn read_vocabulary(path: &Path, meta: &ModelMeta) -> Result<Vocabulary, EngineError> {
     let gguf = GgufFile::open(path)?;
-    let strings = |key: &str| -> Result<Vec<Value>, EngineError> { gguf.get(key)?.to_vec().cloned().map_err(|e| EngineError::load(path, e)) };
-    let tokens: Vec<String> = strings("tokenizer.ggml.tokens")?.iter().map(|v| v.to_string().cloned().unwrap_or_default()).collect();
-    let kinds: Vec<TokenKind> = match gguf.get("tokenizer.ggml.token_type") {
-        Ok(_) => strings("tokenizer.ggml.token_type")?.iter().map(|v| TokenKind::from_gguf(v.to_i32().unwrap_or(1))).collect(),
-        Err(_) => Vec::new(),
-    };
+    let (tokens, kinds) = gguf.tokens()?;
+    let kinds: Vec<TokenKind> = kinds.into_iter().map(TokenKind::from_gguf).collect();
     let spelling = match gguf.string("tokenizer.ggml.model").as_deref() {
         Ok("gpt2") => Spelling::ByteLevel,
         Ok("llama" | "gemma" | "t5") => Spelling::SentencePiece,

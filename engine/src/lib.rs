@@ -6,6 +6,10 @@
 //!   ([`CandleScorer`], on candle's quantized kernels).
 //! - [`speculative`]: the in-process loop tying them together with spade-core's verification.
 
+use std::sync::{Arc, Mutex};
+
+use spade_core::grammar::{GrammarState, Vocabulary};
+
 mod draft_stream;
 #[cfg(feature = "drafter")]
 pub mod drafter;
@@ -25,9 +29,6 @@ pub use scorer::CandleScorer;
 pub use spade_core::openai::{Role, Turn};
 pub use spade_core::tools::ToolSpec;
 pub use spade_core::DraftToken;
-use std::sync::{Arc, Mutex};
-
-use spade_core::grammar::{GrammarState, Vocabulary};
 
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
 pub fn set_compute_threads(n: usize) -> Result<(), String> {
