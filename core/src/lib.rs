@@ -15,6 +15,7 @@
 //! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
 //!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
 
+pub mod batching;
 pub mod dist;
 pub mod draft_control;
 pub mod error;
