@@ -1,7 +1,9 @@
 //! Decode speed of the candle scorer: prefill 32 tokens, then 32 greedy steps one position at a time,
-//! then the cost of scoring a 5-position block (a d = 4 verify round).
+//! then the cost of scoring a 5-position block (a d = 4 verify round), then batched passes: S
+//! sessions' blocks of B positions in one forward pass (the verifier's continuous batching), per
+//! (S, B) in the list given after the model (default 1x1,8x1,1x5,8x5).
 //!
-//!   cargo run --example scorer_speed -p spade-engine -- models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+//!   cargo run --example scorer_speed -p spade-engine -- models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf [4x5 …]
 //!
 //! Build once more with `RUSTFLAGS="-C target-cpu=x86-64"` (and another CARGO_TARGET_DIR) to see
 //! what the x86-64-v3 setting in .cargo/config.toml buys.
@@ -9,7 +11,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use spade_engine::{CandleScorer, Scorer};
+use spade_engine::{BatchJob, CandleScorer, Scorer};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = PathBuf::from(std::env::args().nth(1).ok_or("usage: scorer_speed MODEL.gguf")?);
@@ -38,5 +40,34 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         1000.0 * decode / steps as f64,
         1000.0 * block
     );
+
+    let shapes: Vec<String> = std::env::args().skip(2).collect();
+    let shapes = if shapes.is_empty() { ["1x1", "8x1", "1x5", "8x5"].map(String::from).to_vec() } else { shapes };
+    for shape in shapes {
+        let (s, b) = shape.split_once('x').ok_or("a batch shape is SESSIONSxBLOCK, e.g. 8x5")?;
+        let (s, b): (usize, usize) = (s.parse()?, b.parse()?);
+        let mut sessions: Vec<_> = (0..s).map(|_| scorer.new_session()).collect();
+        let sequences: Vec<Vec<u32>> = (0..s as u32).map(|i| tokens.iter().map(|t| (t + i * 101) % 30000).collect()).collect();
+        for (session, seq) in sessions.iter_mut().zip(&sequences) {
+            session.score(seq, 1)?;
+        }
+        let reps = 3;
+        let started = Instant::now();
+        for _ in 0..reps {
+            let mut jobs: Vec<BatchJob<'_>> = sessions
+                .iter_mut()
+                .zip(&sequences)
+                .map(|(session, seq)| {
+                    session.truncate(seq.len() - b);
+                    BatchJob { session: session.as_mut(), tokens: seq, n_logits: b, rows: b }
+                })
+                .collect();
+            for result in scorer.score_batch(&mut jobs) {
+                result?;
+            }
+        }
+        let pass = started.elapsed().as_secs_f64() / reps as f64;
+        println!("{s} sessions x {b} positions in one pass: {:.1} ms ({:.1} ms per position)", 1000.0 * pass, 1000.0 * pass / (s * b) as f64);
+    }
     Ok(())
 }

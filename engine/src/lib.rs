@@ -127,6 +127,9 @@ pub trait EdgeModel: Drafter {
     }
 }
 
+/// Logit rows, `[positions][vocab]`.
+pub type Logits = Vec<Vec<f32>>;
+
 /// The cloud model. Weights are shared; each context gets its own [`ScoreSession`].
 pub trait Scorer: Send + Sync {
     fn meta(&self) -> &ModelMeta;
@@ -134,6 +137,44 @@ pub trait Scorer: Send + Sync {
     /// The vocabulary grammars are compiled against (blocking the first time: it is built lazily).
     fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
         Err(EngineError::Unsupported("this scorer does not support constrained decoding".into()))
+    }
+    /// Advances several sessions in one pass; entry i is `Some(logits)` once job i's sequence is
+    /// fully scored, `None` after a partial step. Each job's result is exactly what scoring it alone
+    /// gives. By default the jobs run one after another; [`CandleScorer`] runs them as one forward
+    /// pass with the linear layers over every job's rows at once.
+    fn score_batch(&self, jobs: &mut [BatchJob<'_>]) -> Vec<Result<Option<Logits>, EngineError>> {
+        jobs.iter_mut().map(BatchJob::score_alone).collect()
+    }
+}
+
+/// One session's share of a [`Scorer::score_batch`] pass.
+pub struct BatchJob<'a> {
+    pub session: &'a mut dyn ScoreSession,
+    /// The whole sequence the session is being brought to, as for [`ScoreSession::score`].
+    pub tokens: &'a [u32],
+    pub n_logits: usize,
+    /// New positions this pass computes: all that are left ([`ScoreSession::rows_to_score`]), which
+    /// finishes the job, or at most that many less `n_logits` (a prefill chunk, no logits yet).
+    pub rows: usize,
+}
+
+impl BatchJob<'_> {
+    /// Whether this pass finishes the job; an error where `rows` splits the rows that need logits.
+    pub fn finishes(&self) -> Result<bool, EngineError> {
+        let pending = self.session.rows_to_score(self.tokens, self.n_logits);
+        match self.rows {
+            r if r == pending => Ok(true),
+            r if r >= 1 && r + self.n_logits <= pending => Ok(false),
+            r => Err(EngineError::InvalidRequest(format!("a pass of {r} rows of the {pending} left would split the {} rows that need logits", self.n_logits))),
+        }
+    }
+
+    fn score_alone(&mut self) -> Result<Option<Logits>, EngineError> {
+        if self.finishes()? {
+            return self.session.score(self.tokens, self.n_logits).map(Some);
+        }
+        let end = self.tokens.len() - self.session.rows_to_score(self.tokens, self.n_logits) + self.rows;
+        self.session.score(&self.tokens[..end], 1).map(|_| None)
     }
 }
 
@@ -151,4 +192,14 @@ pub trait ScoreSession: Send {
     /// Drops cached positions from `len` on.
     fn truncate(&mut self, len: usize);
     fn memory_bytes(&self) -> usize;
+    /// Positions [`Self::score`] would compute for `tokens`: those after the longest cached prefix,
+    /// and at least the `n_logits` last ones.
+    fn rows_to_score(&self, tokens: &[u32], n_logits: usize) -> usize {
+        let common = self.cached_tokens().iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        tokens.len() - common.min(tokens.len().saturating_sub(n_logits))
+    }
+    /// The concrete session, for a scorer that batches its own sessions' passes.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }

@@ -49,56 +49,82 @@ impl TargetRule {
     }
 }
 
-/// Scores `context + drafts` (reusing the session's cache) and applies the speculative-sampling rule
-/// with randomness keyed by `(seed, position)`: the same inputs always give the same result.
-///
-/// With a grammar, brought here to the end of `context`, each row of logits is first masked with the
-/// grammar's state after the drafts before it, as target-only decoding under that grammar would.
-pub fn verify_round(
-    session: &mut dyn ScoreSession,
-    context: &[u32],
-    drafts: &[DraftToken],
-    rule: &TargetRule,
-    grammar: Option<&mut GrammarState>,
-    seed: u64,
-    top_logprobs: Option<usize>,
-) -> Result<RoundResult, EngineError> {
-    if context.is_empty() {
-        return Err(EngineError::InvalidRequest("the context is empty".into()));
+/// One verification round's inputs: the committed context, the drafted block with its q, and how
+/// the target decides.
+pub struct Round<'a> {
+    pub context: &'a [u32],
+    pub drafts: &'a [DraftToken],
+    pub rule: &'a TargetRule,
+    /// The output's grammar, brought to the end of `context`.
+    pub grammar: Option<&'a mut GrammarState>,
+    pub seed: u64,
+    pub top_logprobs: Option<usize>,
+}
+
+/// A round's logits, however they were scored.
+pub struct ScoredBlock {
+    /// `[drafts + 1][vocab]`: the last rows of [`Round::tokens`].
+    pub logits: Vec<Vec<f32>>,
+    /// The session's [`ScoreSession::text_tokens`].
+    pub text_tokens: usize,
+    pub forward_time: Duration,
+}
+
+impl Round<'_> {
+    /// Scores `context + drafts` (reusing the session's cache) and applies the speculative-sampling
+    /// rule with randomness keyed by `(seed, position)`: the same inputs always give the same result.
+    pub fn verify(self, session: &mut dyn ScoreSession) -> Result<RoundResult, EngineError> {
+        let tokens = self.tokens()?;
+        let started = Instant::now();
+        let logits = session.score(&tokens, self.drafts.len() + 1)?;
+        self.judge(ScoredBlock { logits, text_tokens: session.text_tokens(), forward_time: started.elapsed() })
     }
-    let draft_tokens: Vec<u32> = drafts.iter().map(|d| d.token).collect();
-    let mut tokens = Vec::with_capacity(context.len() + drafts.len());
-    tokens.extend_from_slice(context);
-    tokens.extend_from_slice(&draft_tokens);
-    let started = Instant::now();
-    let mut logits = session.score(&tokens, drafts.len() + 1)?;
-    let forward_time = started.elapsed();
-    // Padding rows are no text: masked in every mode (log-probabilities included), so a target
-    // paired with a draft that lacks them answers exactly as it does alone.
-    let text_tokens = session.text_tokens();
-    for row in &mut logits {
-        row.iter_mut().skip(text_tokens).for_each(|l| *l = f32::NEG_INFINITY);
-    }
-    let p = match grammar {
-        Some(grammar) => {
-            let mut masked = logits.clone();
-            grammar.mask_block(&mut masked, &draft_tokens)?;
-            rule.distributions(&masked, context, &draft_tokens)?
+
+    /// The sequence a round scores, context then drafts; its last `drafts.len() + 1` positions need
+    /// logits. Scored by [`Self::verify`], or by a batched pass that then calls [`Self::judge`].
+    pub fn tokens(&self) -> Result<Vec<u32>, EngineError> {
+        if self.context.is_empty() {
+            return Err(EngineError::InvalidRequest("the context is empty".into()));
         }
-        None => rule.distributions(&logits, context, &draft_tokens)?,
-    };
-    let outcome = if rule.sampling.is_greedy() {
-        let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
-        verify_greedy(&argmax, &draft_tokens)?
-    } else {
-        verify_block(&p, drafts, seed, context.len() as u64)?
-    };
-    let committed = outcome.committed(&draft_tokens);
-    let logprobs = match top_logprobs {
-        Some(n) => committed.iter().zip(&logits).map(|(&t, l)| token_logprob(l, t, n)).collect(),
-        None => Vec::new(),
-    };
-    Ok(RoundResult { outcome, committed, logprobs, forward_time })
+        Ok(self.context.iter().copied().chain(self.drafts.iter().map(|d| d.token)).collect())
+    }
+
+    /// The rule applied to the scored block. With a grammar, each row of logits is first masked with
+    /// the grammar's state after the drafts before it, as target-only decoding under that grammar
+    /// would.
+    pub fn judge(self, scored: ScoredBlock) -> Result<RoundResult, EngineError> {
+        let Round { context, drafts, rule, grammar, seed, top_logprobs } = self;
+        let ScoredBlock { mut logits, text_tokens, forward_time } = scored;
+        if logits.len() != drafts.len() + 1 {
+            return Err(EngineError::InvalidRequest(format!("{} logit rows for {} drafts", logits.len(), drafts.len())));
+        }
+        let draft_tokens: Vec<u32> = drafts.iter().map(|d| d.token).collect();
+        // Padding rows are no text: masked in every mode (log-probabilities included), so a target
+        // paired with a draft that lacks them answers exactly as it does alone.
+        for row in &mut logits {
+            row.iter_mut().skip(text_tokens).for_each(|l| *l = f32::NEG_INFINITY);
+        }
+        let p = match grammar {
+            Some(grammar) => {
+                let mut masked = logits.clone();
+                grammar.mask_block(&mut masked, &draft_tokens)?;
+                rule.distributions(&masked, context, &draft_tokens)?
+            }
+            None => rule.distributions(&logits, context, &draft_tokens)?,
+        };
+        let outcome = if rule.sampling.is_greedy() {
+            let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
+            verify_greedy(&argmax, &draft_tokens)?
+        } else {
+            verify_block(&p, drafts, seed, context.len() as u64)?
+        };
+        let committed = outcome.committed(&draft_tokens);
+        let logprobs = match top_logprobs {
+            Some(n) => committed.iter().zip(&logits).map(|(&t, l)| token_logprob(l, t, n)).collect(),
+            None => Vec::new(),
+        };
+        Ok(RoundResult { outcome, committed, logprobs, forward_time })
+    }
 }
 
 fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {

@@ -15,7 +15,7 @@ use spade_core::{DraftToken, Penalties, SamplingParams};
 
 pub use crate::drafting::DraftLength;
 use crate::drafting::{observation, Block, DraftTiming, Pacing};
-use crate::round::{verify_round, TargetRule};
+use crate::round::{Round, TargetRule};
 use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
@@ -351,7 +351,7 @@ impl Loop<'_> {
     }
 }
 
-/// Verifies in-process: one scorer session, the rule applied by [`verify_round`] (the same code the
+/// Verifies in-process: one scorer session, the rule applied by [`Round::verify`] (the same code the
 /// verifier server runs).
 pub struct LocalVerifier<'a> {
     pub session: &'a mut dyn ScoreSession,
@@ -368,7 +368,8 @@ impl BlockVerifier for LocalVerifier<'_> {
         if let Some(grammar) = &mut self.grammar {
             grammar.sync(context).map_err(|e| rejected(e.into()))?;
         }
-        let round = verify_round(self.session, context, drafts, &self.rule, self.grammar.as_mut(), self.seed, self.top_logprobs).map_err(rejected)?;
+        let round = Round { context, drafts, rule: &self.rule, grammar: self.grammar.as_mut(), seed: self.seed, top_logprobs: self.top_logprobs };
+        let round = round.verify(self.session).map_err(rejected)?;
         Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
     }
 }

@@ -34,6 +34,57 @@ fn block_scoring_is_bitwise_equal_to_one_at_a_time() {
     }
 }
 
+/// Several sessions scored in one batched pass (prefills chunked across passes, decode blocks,
+/// a rejected draft's rows recomputed) get bit-identical logits to each session scored alone.
+#[test]
+fn batched_passes_are_bitwise_equal_to_each_session_alone() {
+    for name in [TINY, DRAFT] {
+        let scorer = scorer(name);
+        let vocab = scorer.meta().vocab_size.min(30_000);
+        let seq = |salt: u32, len: u32| (0..len).map(|i| (i * 7919 + salt * 104_729 + 13) % vocab).collect::<Vec<u32>>();
+        // (sequence, logit rows, rows this pass) per session, three passes.
+        let long = seq(1, 45);
+        let (a, b, c) = (seq(2, 9), seq(3, 6), seq(4, 12));
+        let mut sessions: Vec<_> = (0..4).map(|_| scorer.new_session()).collect();
+        let mut alone: Vec<_> = (0..4).map(|_| scorer.new_session()).collect();
+        let passes: Vec<Vec<(Vec<u32>, usize, usize)>> = vec![
+            vec![(long.clone(), 5, 17), (a.clone(), 4, 9), (b.clone(), 1, 6), (c.clone(), 3, 4)],
+            vec![
+                (long.clone(), 5, 20),
+                (a.iter().copied().chain([7, 8]).collect(), 3, 3),
+                (b[..4].iter().copied().chain([9]).collect(), 2, 2),
+                (c.clone(), 3, 8),
+            ],
+            vec![(long.clone(), 5, 8), (a[..7].iter().copied().chain([1, 2, 3]).collect(), 4, 4)],
+        ];
+        for (pass, jobs) in passes.iter().enumerate() {
+            let mut batch: Vec<spade_engine::BatchJob<'_>> = Vec::new();
+            for ((tokens, n, rows), session) in jobs.iter().zip(sessions.iter_mut()) {
+                batch.push(spade_engine::BatchJob { session: session.as_mut(), tokens, n_logits: *n, rows: *rows });
+            }
+            let results = scorer.score_batch(&mut batch);
+            drop(batch);
+            for (i, ((tokens, n, _), result)) in jobs.iter().zip(results).enumerate() {
+                let result = result.unwrap_or_else(|e| panic!("{name} pass {pass} job {i}: {e}"));
+                assert_eq!(sessions[i].cached_tokens(), &tokens[..sessions[i].cached_tokens().len()]);
+                if let Some(logits) = result {
+                    let want = alone[i].score(tokens, *n).unwrap();
+                    assert!(logits == want, "{name} pass {pass}: session {i}'s logits differ from scoring it alone");
+                }
+            }
+        }
+        assert_eq!(sessions[0].cached_tokens().len(), 45, "{name}: the chunked prefill finished");
+        // A pass that would split the rows needing logits is refused, the rest of the batch still runs.
+        let mut s = scorer.new_session();
+        let mut t = scorer.new_session();
+        let results = scorer.score_batch(&mut [
+            spade_engine::BatchJob { session: s.as_mut(), tokens: &a, n_logits: 4, rows: 7 },
+            spade_engine::BatchJob { session: t.as_mut(), tokens: &b, n_logits: 1, rows: 6 },
+        ]);
+        assert!(results[0].is_err() && matches!(results[1], Ok(Some(_))), "{name}");
+    }
+}
+
 #[test]
 fn rejects_bad_requests_without_panicking() {
     let scorer = scorer(TINY);

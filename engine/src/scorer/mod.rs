@@ -9,9 +9,9 @@ use std::sync::Arc;
 use spade_core::grammar::Vocabulary;
 
 use crate::gguf::{GgufFile, LazyVocabulary, ModelMeta, ModelSource};
-use crate::{EngineError, ScoreSession, Scorer};
+use crate::{BatchJob, EngineError, Logits, ScoreSession, Scorer};
 pub use model::KvCache;
-use model::Transformer;
+use model::{Part, Transformer};
 
 /// A llama/qwen2 GGUF model loaded for scoring.
 pub struct CandleScorer {
@@ -61,6 +61,41 @@ impl Scorer for CandleScorer {
     fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
         self.vocabulary.get(&self.meta)
     }
+
+    fn score_batch(&self, jobs: &mut [BatchJob<'_>]) -> Vec<Result<Option<Logits>, EngineError>> {
+        let mut results: Vec<Result<Option<Logits>, EngineError>> = Vec::with_capacity(jobs.len());
+        // (index, session, new tokens, logit rows) of the jobs that join the pass.
+        let mut joined: Vec<(usize, &mut CandleSession, &[u32], usize)> = Vec::new();
+        for (i, job) in jobs.iter_mut().enumerate() {
+            let step = job.finishes().and_then(|finishes| {
+                let session = job.session.as_any_mut().and_then(|s| s.downcast_mut::<CandleSession>());
+                let session = session.ok_or_else(|| EngineError::InvalidRequest("a session of another scorer".into()))?;
+                if !Arc::ptr_eq(&session.model, &self.model) {
+                    return Err(EngineError::InvalidRequest("a session of another model".into()));
+                }
+                let keep = session.begin(job.tokens, job.n_logits)?;
+                Ok((session, &job.tokens[keep..keep + job.rows], if finishes { job.n_logits } else { 0 }))
+            });
+            match step {
+                Ok((session, new, n)) => {
+                    joined.push((i, session, new, n));
+                    results.push(Ok(None));
+                }
+                Err(e) => results.push(Err(e)),
+            }
+        }
+        let n_logits: Vec<usize> = joined.iter().map(|j| j.3).collect();
+        let mut parts: Vec<Part<'_>> = joined.iter_mut().map(|(_, s, new, _)| Part { cache: &mut s.cache, tokens: new }).collect();
+        let logits = self.model.forward_batch(&mut parts, &n_logits);
+        drop(parts);
+        for ((i, session, new, n), logits) in joined.into_iter().zip(logits) {
+            session.tokens.extend_from_slice(new);
+            if n > 0 {
+                results[i] = Ok(Some(logits));
+            }
+        }
+        results
+    }
 }
 
 /// One context's KV cache. The cache is keyed by the token ids it holds: scoring a sequence reuses the
@@ -72,8 +107,10 @@ pub struct CandleSession {
     meta: ModelMeta,
 }
 
-impl ScoreSession for CandleSession {
-    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+impl CandleSession {
+    /// Checks a scoring request and drops the cached rows past what `tokens` shares with them (and
+    /// the `n_logits` last, which are recomputed for their logits); returns the positions kept.
+    fn begin(&mut self, tokens: &[u32], n_logits: usize) -> Result<usize, EngineError> {
         if n_logits == 0 || n_logits > tokens.len() {
             return Err(EngineError::InvalidRequest(format!("asked for {n_logits} logit rows of a {}-token sequence", tokens.len())));
         }
@@ -83,12 +120,22 @@ impl ScoreSession for CandleSession {
         if let Some(&token) = tokens.iter().find(|&&t| t >= self.meta.vocab_size) {
             return Err(EngineError::TokenOutOfVocab { token, vocab_size: self.meta.vocab_size });
         }
-        let common = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
-        let keep = common.min(tokens.len() - n_logits);
+        let keep = tokens.len() - self.rows_to_score(tokens, n_logits);
         self.truncate(keep);
+        Ok(keep)
+    }
+}
+
+impl ScoreSession for CandleSession {
+    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        let keep = self.begin(tokens, n_logits)?;
         let logits = self.model.forward(&mut self.cache, &tokens[keep..], n_logits);
         self.tokens.extend_from_slice(&tokens[keep..]);
         Ok(logits)
+    }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
     }
 
     fn cached_tokens(&self) -> &[u32] {

@@ -212,28 +212,54 @@ impl Transformer {
     /// Appends `tokens` at positions `cache.len()..` and returns the logits of the last `n_logits`
     /// of them, `[n_logits][vocab]`.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], n_logits: usize) -> Vec<Vec<f32>> {
-        let mut finals: Vec<f32> = Vec::with_capacity(n_logits * self.cfg.hidden);
         let first_kept = tokens.len() - n_logits;
+        let mut finals: Vec<f32> = Vec::with_capacity(n_logits * self.cfg.hidden);
         for (c, chunk) in tokens.chunks(CHUNK).enumerate() {
-            let hidden = self.forward_chunk(cache, chunk);
-            for r in 0..chunk.len() {
-                if c * CHUNK + r >= first_kept {
-                    finals.extend_from_slice(&hidden[r * self.cfg.hidden..(r + 1) * self.cfg.hidden]);
-                }
-            }
+            let hidden = self.forward_rows(&mut [Part { cache: &mut *cache, tokens: chunk }]);
+            let skip = first_kept.saturating_sub(c * CHUNK).min(chunk.len());
+            finals.extend_from_slice(&hidden[skip * self.cfg.hidden..]);
         }
-        let normed = rms_norm_rows(&finals, &self.out_norm, self.cfg.eps);
+        self.logits(&finals)
+    }
+
+    /// One forward pass over several caches at once: part i appends `tokens` to its cache and gets
+    /// the logits of its last `n_logits[i]` rows. The linear layers run over every part's rows
+    /// together (the weights are read once per pass, each block unpacked once per tile of rows),
+    /// attention runs per part. Every operation is row-independent, so each part's logits are
+    /// bit-identical to [`Self::forward`] on that part alone. The caller bounds the rows (the
+    /// verifier's `--max-batch-rows`): unlike `forward`, this does not split them into chunks.
+    pub fn forward_batch(&self, parts: &mut [Part<'_>], n_logits: &[usize]) -> Vec<Vec<Vec<f32>>> {
+        let d = self.cfg.hidden;
+        let hidden = self.forward_rows(parts);
+        let mut finals: Vec<f32> = Vec::with_capacity(n_logits.iter().sum::<usize>() * d);
+        let mut row0 = 0;
+        for (part, &n) in parts.iter().zip(n_logits) {
+            let end = row0 + part.tokens.len();
+            finals.extend_from_slice(&hidden[(end - n) * d..end * d]);
+            row0 = end;
+        }
+        let mut logits = self.logits(&finals).into_iter();
+        n_logits.iter().map(|&n| logits.by_ref().take(n).collect()).collect()
+    }
+
+    /// Final norm and output head over `[rows][hidden]`.
+    fn logits(&self, finals: &[f32]) -> Vec<Vec<f32>> {
+        if finals.is_empty() {
+            return Vec::new();
+        }
+        let normed = rms_norm_rows(finals, &self.out_norm, self.cfg.eps);
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let logits = head.forward(&normed, n_logits);
+        let logits = head.forward(&normed, finals.len() / self.cfg.hidden);
         logits.chunks(head.out_features()).map(<[f32]>::to_vec).collect()
     }
 
-    fn forward_chunk(&self, cache: &mut KvCache, tokens: &[u32]) -> Vec<f32> {
+    /// The hidden states `[rows][hidden]` of every part's new rows, in order, after the last layer.
+    fn forward_rows(&self, parts: &mut [Part<'_>]) -> Vec<f32> {
         let cfg = &self.cfg;
-        let m = tokens.len();
-        let start = cache.len;
-        let mut x: Vec<f32> = tokens.iter().flat_map(|&t| self.embed.row(t as usize)).collect();
-        let rope = RopeTable::new(cfg, start, m);
+        let m: usize = parts.iter().map(|p| p.tokens.len()).sum();
+        let mut x: Vec<f32> = parts.iter().flat_map(|p| p.tokens).flat_map(|&t| self.embed.row(t as usize)).collect();
+        let ropes: Vec<RopeTable> = parts.iter().map(|p| RopeTable::new(cfg, p.cache.len, p.tokens.len())).collect();
+        let (q_row, kv_row) = (cfg.n_heads * cfg.head_dim, self.kv_row());
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm_rows(&x, &layer.attn_norm, cfg.eps);
             let mut q = layer.wq.forward(&h, m);
@@ -242,17 +268,26 @@ impl Transformer {
             add_bias(&mut q, layer.bq.as_deref());
             add_bias(&mut k, layer.bk.as_deref());
             add_bias(&mut v, layer.bv.as_deref());
-            rope.apply(&mut q, cfg.n_heads, cfg);
-            rope.apply(&mut k, cfg.n_kv_heads, cfg);
-            for (buf, rows) in [(&mut cache.keys[l], &k), (&mut cache.values[l], &v)] {
-                // Grow by what is needed plus headroom, not by doubling: capacity is memory the
-                // session budget counts.
-                if buf.capacity() - buf.len() < rows.len() {
-                    buf.reserve_exact(rows.len() + HEADROOM * self.kv_row());
+            let mut attn = Vec::with_capacity(m * q_row);
+            let mut row0 = 0;
+            for (part, rope) in parts.iter_mut().zip(&ropes) {
+                let rows = part.tokens.len();
+                let (q, k, v) =
+                    (&mut q[row0 * q_row..(row0 + rows) * q_row], &mut k[row0 * kv_row..(row0 + rows) * kv_row], &v[row0 * kv_row..(row0 + rows) * kv_row]);
+                rope.apply(q, cfg.n_heads, cfg);
+                rope.apply(k, cfg.n_kv_heads, cfg);
+                let cache = &mut *part.cache;
+                for (buf, rows) in [(&mut cache.keys[l], &*k), (&mut cache.values[l], v)] {
+                    // Grow by what is needed plus headroom, not by doubling: capacity is memory the
+                    // session budget counts.
+                    if buf.capacity() - buf.len() < rows.len() {
+                        buf.reserve_exact(rows.len() + HEADROOM * kv_row);
+                    }
+                    buf.extend_from_slice(rows);
                 }
-                buf.extend_from_slice(rows);
+                attn.extend(attention(cfg, q, &cache.keys[l], &cache.values[l], cache.len, rows));
+                row0 += rows;
             }
-            let attn = attention(cfg, &q, &cache.keys[l], &cache.values[l], start, m);
             let o = layer.wo.forward(&attn, m);
             add_into(&mut x, &o);
 
@@ -263,9 +298,17 @@ impl Transformer {
             let down = layer.w_down.forward(&act, m);
             add_into(&mut x, &down);
         }
-        cache.len += m;
+        for part in parts.iter_mut() {
+            part.cache.len += part.tokens.len();
+        }
         x
     }
+}
+
+/// One cache's share of a batched forward pass: the tokens appended to it.
+pub struct Part<'a> {
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
 }
 
 /// Dot product with eight fixed accumulators: vectorisable, and the same order for every call.
