@@ -208,15 +208,15 @@ async fn six_at_once(url: &str, max_tokens: usize) -> Vec<(u16, Value)> {
     out
 }
 
-/// A verifier with one worker and no queue (`--queue-size 0`) answers 429 with `retry-after: 1` to
-/// every call that finds the worker busy. The gateway waits as told and retries: every answer is
+/// A verifier holding one call at a time and no queue (`--max-batch-sessions 1 --queue-size 0`)
+/// answers 429 with `retry-after: 1` to every call that finds it busy. The gateway waits as told and retries: every answer is
 /// target-only's. With no retries allowed, each refused call fails exactly its own request with a
 /// clear 503, and the others are unaffected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_cleanly() {
     let max_tokens = 12;
     let expected = reference(&PROMPTS, max_tokens).await;
-    let verifier = start_verifier_on(0, &["--queue-size", "0", "--workers", "1"]).await;
+    let verifier = start_verifier_on(0, &["--queue-size", "0", "--max-batch-sessions", "1"]).await;
     let patient = start_gateway(&verifier.url, &["--verify-retries", "30"]).await;
     let started = Instant::now();
     let answers = six_at_once(&patient.url, max_tokens).await;

@@ -58,5 +58,5 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
 ), security(("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (sessions, bytes) = state.sessions.usage();
-    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.waiting(), state.target_model.is_loaded()))
+    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.held(), state.target_model.is_loaded()))
 }

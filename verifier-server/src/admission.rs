@@ -1,51 +1,40 @@
-//! A bounded, fair queue in front of the workers: callers wait in FIFO order for a permit, and
-//! beyond `max_waiting` waiting callers the answer is 429 instead of unbounded memory.
+//! A bound on the calls the verifier holds: those being scored and those waiting for a pass. Beyond
+//! it the answer is 429 with retry-after instead of unbounded memory and latency.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::error::ApiError;
 
 pub struct Admission {
-    workers: Arc<Semaphore>,
-    waiting: AtomicUsize,
-    max_waiting: usize,
+    held: Arc<AtomicUsize>,
+    max_held: usize,
+}
+
+/// One admitted call; dropping it (answered, failed or abandoned) frees its place.
+pub struct Admitted(Arc<AtomicUsize>);
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Admission {
-    pub fn new(workers: usize, max_waiting: usize) -> Self {
-        Self { workers: Arc::new(Semaphore::new(workers)), waiting: AtomicUsize::new(0), max_waiting }
+    pub fn new(max_held: usize) -> Self {
+        Self { held: Arc::new(AtomicUsize::new(0)), max_held }
     }
 
-    /// A worker permit and how long the call waited for it.
-    pub async fn admit(&self) -> Result<(OwnedSemaphorePermit, Duration), ApiError> {
-        if let Ok(permit) = self.workers.clone().try_acquire_owned() {
-            return Ok((permit, Duration::ZERO));
+    pub fn admit(&self) -> Result<Admitted, ApiError> {
+        let admitted = self.held.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max_held).then_some(n + 1));
+        match admitted {
+            Ok(_) => Ok(Admitted(self.held.clone())),
+            Err(_) => Err(ApiError::QueueFull(1)),
         }
-        if self.waiting.fetch_add(1, Ordering::SeqCst) >= self.max_waiting {
-            self.waiting.fetch_sub(1, Ordering::SeqCst);
-            return Err(ApiError::QueueFull(1));
-        }
-        // Decrements even when the caller goes away while waiting.
-        let _waiting = WaitingGuard(&self.waiting);
-        let started = Instant::now();
-        let permit = self.workers.clone().acquire_owned().await;
-        let permit = permit.map_err(|_| ApiError::Internal("the worker pool is closed".into()))?;
-        Ok((permit, started.elapsed()))
     }
 
-    pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::SeqCst)
-    }
-}
-
-struct WaitingGuard<'a>(&'a AtomicUsize);
-
-impl Drop for WaitingGuard<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+    /// Calls held now (scored or waiting).
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::SeqCst)
     }
 }

@@ -1,6 +1,7 @@
 //! Command line and environment: the one place configuration is read.
 
 use clap::Parser;
+use spade_core::batching::PassLimits;
 use spade_core::limits::DEFAULT_MAX_DRAFT;
 use spade_http::{Command, ServerArgs};
 
@@ -16,13 +17,24 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_CACHE_BUDGET_MB", default_value_t = 2048)]
     pub cache_budget_mb: usize,
 
-    /// Verify calls allowed to wait for a worker; more are answered 429 with retry-after.
+    /// Verify calls allowed to wait beyond those a pass holds; more are answered 429 with retry-after.
     #[arg(long, env = "SPADE_VERIFIER_QUEUE_SIZE", default_value_t = 64)]
     pub queue_size: usize,
 
-    /// Verify calls scored at once (each forward pass already uses every thread).
-    #[arg(long, env = "SPADE_VERIFIER_WORKERS", default_value_t = 1)]
-    pub workers: usize,
+    /// Most sessions' calls scored together in one forward pass (continuous batching); 1 scores one
+    /// call at a time.
+    #[arg(long, env = "SPADE_VERIFIER_MAX_BATCH_SESSIONS", default_value_t = 16)]
+    pub max_batch_sessions: usize,
+
+    /// Most positions in one forward pass, all sessions together; at least twice the larger of
+    /// --max-draft + 1 and --prefill-chunk.
+    #[arg(long, env = "SPADE_VERIFIER_MAX_BATCH_ROWS", default_value_t = 96)]
+    pub max_batch_rows: usize,
+
+    /// Most prompt positions one session's prefill adds to a pass while other calls wait, so a long
+    /// prompt delays their blocks by a bounded amount.
+    #[arg(long, env = "SPADE_VERIFIER_PREFILL_CHUNK", default_value_t = 16)]
+    pub prefill_chunk: usize,
 
     /// Compute threads for the model (default: all cores).
     #[arg(long, env = "SPADE_VERIFIER_THREADS")]
@@ -51,9 +63,13 @@ impl Config {
         if !self.server.host.is_loopback() && self.server.api_key().is_none() {
             return Err(format!("refusing to bind {} without --api-key (SPADE_VERIFIER_API_KEY): the verifier would be open to anyone", self.server.host));
         }
-        if self.workers == 0 || self.max_draft == 0 {
-            return Err("--workers and --max-draft must be at least 1".into());
+        if self.max_draft == 0 {
+            return Err("--max-draft must be at least 1".into());
         }
-        Ok(())
+        self.pass_limits().check(self.max_draft + 1).map_err(|e| format!("--max-batch-sessions, --max-batch-rows, --prefill-chunk: {e}"))
+    }
+
+    pub fn pass_limits(&self) -> PassLimits {
+        PassLimits { max_rows: self.max_batch_rows, max_sessions: self.max_batch_sessions, prefill_chunk: self.prefill_chunk }
     }
 }

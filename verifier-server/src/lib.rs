@@ -5,6 +5,7 @@
 
 mod admin;
 mod admission;
+mod batcher;
 pub mod config;
 mod error;
 mod metrics;
@@ -18,7 +19,7 @@ use axum::Router;
 
 pub use config::Config;
 pub use error::ApiError;
-pub use state::{AppState, Verifier};
+pub use state::{AppState, Target, Verifier};
 
 /// The verifier's routes in spade-http's skeleton: serve it with `spade_http::serve`.
 pub fn router(state: AppState) -> Router {

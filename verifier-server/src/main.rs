@@ -34,6 +34,5 @@ async fn load(model: String, state: Arc<Verifier>) -> Result<(), String> {
         .map_err(|e| format!("the loading task failed: {e}"))?
         .map_err(|e| format!("cannot load {model}: {e}"))?;
     tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded; ready");
-    state.target_model.set(Arc::new(scorer));
-    Ok(())
+    state.load_model(Arc::new(scorer)).map_err(|e| format!("cannot start the scoring thread: {e}"))
 }

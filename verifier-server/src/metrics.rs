@@ -19,8 +19,13 @@ pub struct Metrics {
     evicted_sessions: AtomicU64,
     /// [drafted, accepted] per draft position.
     per_position: Mutex<Vec<[u64; 2]>>,
+    /// Per call: from its first forward pass to its last.
     forward: Mutex<Histogram>,
     queue_wait: Mutex<Histogram>,
+    passes: AtomicU64,
+    pass_sessions: AtomicU64,
+    pass_rows: AtomicU64,
+    pass_time: Mutex<Histogram>,
 }
 
 impl Default for Metrics {
@@ -36,6 +41,10 @@ impl Default for Metrics {
             per_position: Mutex::new(Vec::new()),
             forward: Mutex::new(Histogram::new(SECONDS)),
             queue_wait: Mutex::new(Histogram::new(SECONDS)),
+            passes: AtomicU64::new(0),
+            pass_sessions: AtomicU64::new(0),
+            pass_rows: AtomicU64::new(0),
+            pass_time: Mutex::new(Histogram::new(SECONDS)),
         }
     }
 }
@@ -64,6 +73,14 @@ impl Metrics {
         locked(&self.queue_wait).observe(queue.as_secs_f64());
     }
 
+    /// One batched forward pass: how many sessions and positions it held, and its time.
+    pub fn record_pass(&self, sessions: usize, rows: usize, time: Duration) {
+        self.passes.fetch_add(1, Ordering::Relaxed);
+        self.pass_sessions.fetch_add(sessions as u64, Ordering::Relaxed);
+        self.pass_rows.fetch_add(rows as u64, Ordering::Relaxed);
+        locked(&self.pass_time).observe(time.as_secs_f64());
+    }
+
     pub fn record_error(&self) {
         self.verify_errors.fetch_add(1, Ordering::Relaxed);
     }
@@ -76,8 +93,8 @@ impl Metrics {
         self.evicted_sessions.fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition; `sessions`, `cache_bytes` and `waiting` are gauges read now.
-    pub fn render(&self, sessions: usize, cache_bytes: usize, waiting: usize, ready: bool) -> String {
+    /// The Prometheus text exposition; `sessions`, `cache_bytes` and `held` are gauges read now.
+    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, ready: bool) -> String {
         let mut out = String::new();
         let counters = [
             ("spade_verify_calls_total", "Verify calls answered.", &self.verify_calls),
@@ -87,6 +104,9 @@ impl Metrics {
             ("spade_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", &self.accepted_tokens),
             ("spade_spec_decode_num_emitted_tokens_total", "Tokens committed (accepted plus correction or bonus).", &self.emitted_tokens),
             ("spade_sessions_evicted_total", "Sessions evicted to stay within the cache budget.", &self.evicted_sessions),
+            ("spade_verify_passes_total", "Forward passes run (each may hold several sessions' calls).", &self.passes),
+            ("spade_verify_pass_sessions_total", "Sessions' calls scored, summed over passes (divide by passes for the mean batch).", &self.pass_sessions),
+            ("spade_verify_pass_rows_total", "Positions scored, summed over passes.", &self.pass_rows),
         ];
         for (name, help, value) in counters {
             render_scalar(&mut out, "counter", name, help, value.load(Ordering::Relaxed));
@@ -100,12 +120,13 @@ impl Metrics {
         render_labeled(&mut out, "counter", "spade_spec_decode_num_draft_tokens_per_pos", drafted_help, "position", by_position(0));
 
         locked(&self.forward).render(&mut out, "spade_verify_forward_seconds", "Target forward pass time per verify call.");
-        locked(&self.queue_wait).render(&mut out, "spade_verify_queue_seconds", "Time verify calls waited for a worker.");
+        locked(&self.queue_wait).render(&mut out, "spade_verify_queue_seconds", "Time verify calls waited for their first forward pass.");
+        locked(&self.pass_time).render(&mut out, "spade_verify_pass_seconds", "Time per batched forward pass.");
 
         let gauges = [
             ("spade_sessions", "Sessions holding a KV cache.", sessions),
             ("spade_kv_cache_bytes", "Bytes held by session KV caches.", cache_bytes),
-            ("spade_verify_queue_waiting", "Verify calls waiting for a worker.", waiting),
+            ("spade_verify_calls_held", "Verify calls being scored or waiting for a pass (429 beyond --max-batch-sessions + --queue-size).", held),
             ("spade_ready", "1 once the model is loaded.", usize::from(ready)),
         ];
         for (name, help, value) in gauges {

@@ -2,11 +2,13 @@
 
 use std::sync::Arc;
 
+use spade_core::batching::PassLimits;
 use spade_core::limits::{MAX_SESSION_ID_LEN, MAX_TOP_LOGPROBS};
 use spade_engine::Scorer;
 use spade_http::{HttpSettings, ModelSlot};
 
 use crate::admission::Admission;
+use crate::batcher::Batcher;
 use crate::config::Config;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -20,13 +22,20 @@ pub struct Limits {
     pub max_session_id_len: usize,
 }
 
+/// The loaded model and the thread that runs its forward passes.
+pub struct Target {
+    pub scorer: Arc<dyn Scorer>,
+    pub batcher: Batcher,
+}
+
 pub struct Verifier {
     /// Set once the model has loaded; until then /health is 503 and /verify answers not_ready.
-    pub target_model: ModelSlot<dyn Scorer>,
+    pub target_model: ModelSlot<Target>,
     pub model_id: String,
     pub sessions: SessionStore,
     pub admission: Admission,
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
+    pub pass_limits: PassLimits,
     pub limits: Limits,
     pub http: HttpSettings,
 }
@@ -39,14 +48,26 @@ impl Verifier {
             target_model: ModelSlot::default(),
             model_id: config.model.clone().unwrap_or_default(),
             sessions: SessionStore::new(config.cache_budget_mb * 1024 * 1024),
-            admission: Admission::new(config.workers, config.queue_size),
-            metrics: Metrics::default(),
+            admission: Admission::new(config.max_batch_sessions + config.queue_size),
+            metrics: Arc::default(),
+            pass_limits: config.pass_limits(),
             limits: Limits { max_draft: config.max_draft, max_top_logprobs: MAX_TOP_LOGPROBS, max_session_id_len: MAX_SESSION_ID_LEN },
             http: config.server.http(),
         }
     }
 
-    pub fn scorer(&self) -> Result<&Arc<dyn Scorer>, ApiError> {
+    /// Serves `scorer` from now on, starting its scoring thread.
+    pub fn load_model(&self, scorer: Arc<dyn Scorer>) -> std::io::Result<()> {
+        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.metrics.clone())?;
+        self.target_model.set(Arc::new(Target { scorer, batcher }));
+        Ok(())
+    }
+
+    pub fn target(&self) -> Result<&Arc<Target>, ApiError> {
         self.target_model.get().ok_or(ApiError::NotReady)
+    }
+
+    pub fn scorer(&self) -> Result<&Arc<dyn Scorer>, ApiError> {
+        self.target().map(|t| &t.scorer)
     }
 }

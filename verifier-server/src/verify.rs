@@ -10,11 +10,12 @@ use spade_core::grammar::GrammarConstraint;
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
 use spade_core::wire::{decode_request, encode_response, BINARY_CONTENT_TYPE};
 use spade_core::{DraftToken, ErrorBody};
-use spade_engine::round::{verify_round, TargetRule};
+use spade_engine::round::{Round, ScoredBlock, TargetRule};
 use spade_engine::{EngineError, ModelMeta};
 use spade_http::{Json, RequestError};
 use tokio::sync::Mutex as AsyncMutex;
 
+use crate::batcher::Scored;
 use crate::error::ApiError;
 use crate::sessions::Session;
 use crate::state::{AppState, Limits};
@@ -180,19 +181,19 @@ pub async fn verify(State(state): State<AppState>, body: VerifyBody) -> Result<V
 }
 
 async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, ApiError> {
-    let scorer = state.scorer()?.clone();
-    let meta = scorer.meta().clone();
+    let target = state.target()?.clone();
+    let meta = target.scorer.meta().clone();
     let valid = validate(req, &meta, &state.limits)?;
-    let (permit, queued) = state.admission.admit().await?;
+    let _admitted = state.admission.admit()?;
 
-    let new_session = || Session::new(scorer.new_session());
+    let new_session = || Session::new(target.scorer.new_session());
     // A delta needs an existing session; only a full context may create one.
     let session = match &valid.session_id {
         Some(id) if valid.context_start > 0 => state.sessions.get(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?,
         Some(id) => state.sessions.get_or_create(id, new_session),
         None => Arc::new(AsyncMutex::new(new_session())),
     };
-    let mut guard = session.lock_owned().await;
+    let guard = session.lock_owned().await;
     if valid.context_start > guard.committed.len() {
         return Err(ApiError::ResendContext(valid.session_id.unwrap_or_default()));
     }
@@ -202,31 +203,40 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
 
     let ValidVerify { drafts, rule, grammar, seed, top_logprobs, session_id, context_start, .. } = valid;
     let drafted = drafts.len();
-    let (mut guard, context, result) = tokio::task::spawn_blocking(move || {
-        let result = (|| {
-            // A full context starts the session over, with its grammar or none.
-            if context_start == 0 {
-                guard.grammar = match &grammar {
-                    Some(g) => {
-                        let vocabulary =
-                            scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
-                        Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize))
-                    }
-                    None => None,
-                };
-            }
-            let session = &mut *guard;
-            if let Some(state) = &mut session.grammar {
-                state.sync(&context)?;
-            }
-            verify_round(session.score.as_mut(), &context, &drafts, &rule, session.grammar.as_mut(), seed, top_logprobs)
-        })();
-        (guard, context, result)
+    // The grammar is brought to the context before scoring, so a bad one costs no forward pass.
+    let scorer = target.scorer.clone();
+    let (guard, context) = blocking(move || {
+        let mut guard = guard;
+        // A full context starts the session over, with its grammar or none.
+        if context_start == 0 {
+            guard.grammar = match &grammar {
+                Some(g) => {
+                    let vocabulary =
+                        scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
+                    Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize))
+                }
+                None => None,
+            };
+        }
+        if let Some(state) = &mut guard.grammar {
+            state.sync(&context)?;
+        }
+        Ok((guard, context))
     })
-    .await
-    .map_err(|e| ApiError::Internal(format!("scoring task failed: {e}")))?;
-    drop(permit);
-    let round = result?;
+    .await?;
+
+    let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
+    let scored = target.batcher.score(guard, tokens, drafted + 1).await?;
+    let Scored { session: guard, logits, queued, forward } = scored;
+    let logits = logits?;
+    let (mut guard, round) = blocking(move || {
+        let mut guard = guard;
+        let block = ScoredBlock { logits, text_tokens: guard.score.text_tokens(), forward_time: forward };
+        let round = Round { context: &context, drafts: &drafts, rule: &rule, grammar: guard.grammar.as_mut(), seed, top_logprobs }.judge(block);
+        Ok((guard, round.map(|r| (context, r))))
+    })
+    .await?;
+    let (context, round) = round?;
 
     // Keep the accepted rows; the rejected drafts' rows would only be dropped by the next call.
     let keep = context.len() + round.outcome.accepted;
@@ -252,6 +262,12 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
         logprobs: top_logprobs.map(|_| round.logprobs),
         timing: VerifyTiming { queue_ms: queued.as_secs_f64() * 1e3, forward_ms: round.forward_time.as_secs_f64() * 1e3 },
     })
+}
+
+/// Runs CPU work (grammar compilation, the rule over 150k-entry rows) off the async threads.
+async fn blocking<T: Send + 'static>(work: impl FnOnce() -> Result<T, EngineError> + Send + 'static) -> Result<T, ApiError> {
+    let result = tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::Internal(format!("scoring task failed: {e}")))?;
+    Ok(result?)
 }
 
 /// End a session: its KV cache is freed now instead of waiting for LRU eviction. Gateways call this

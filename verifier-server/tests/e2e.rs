@@ -1,6 +1,6 @@
 //! The real binary with the real tiny model over real HTTP: /verify equals spade-core's rule applied
 //! to the scorer's logits, repeated calls agree, sessions append, and 16 concurrent sessions under
-//! load stay within the cache budget.
+//! load are batched, stay within the cache budget and get the answers they get alone.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -93,50 +93,15 @@ async fn sixteen_concurrent_sessions_stay_within_budget() {
             peak
         })
     };
-    let mut tasks = Vec::new();
-    for s in 0..16u32 {
-        let url = server.url.clone();
-        tasks.push(tokio::spawn(async move {
-            let client = reqwest::Client::new();
-            let (mut ok, mut resend, mut busy, mut latencies) = (0, 0, 0, Vec::new());
-            let mut context: Vec<u32> = (0..120).map(|i| 200 + (i * 37 + s * 101) % 20000).collect();
-            let mut session_len = 0u64;
-            for _ in 0..8 {
-                let draft: Vec<Value> = (0..4).map(|i| json!({"token": 300 + i, "q": [[300 + i, 1.0]]})).collect();
-                let body = if session_len == 0 {
-                    json!({"session_id": format!("load-{s}"), "context": context, "draft": draft, "sampling": {"temperature": 0.0}})
-                } else {
-                    json!({"session_id": format!("load-{s}"), "context": [], "context_start": session_len, "draft": draft, "sampling": {"temperature": 0.0}})
-                };
-                let t = Instant::now();
-                let (status, v) = post(&client, &url, &body).await;
-                latencies.push(t.elapsed().as_secs_f64());
-                match status {
-                    200 => {
-                        ok += 1;
-                        session_len = v["session_len"].as_u64().unwrap();
-                        let n = v["accepted"].as_u64().unwrap() as u32;
-                        context.extend(300..300 + n);
-                        context.push(v["next_token"].as_u64().unwrap() as u32);
-                    }
-                    409 => {
-                        resend += 1;
-                        session_len = 0; // evicted: send the whole context next time
-                    }
-                    429 => busy += 1,
-                    other => panic!("unexpected status {other}: {v}"),
-                }
-            }
-            (ok, resend, busy, latencies)
-        }));
-    }
-    let (mut ok, mut resend, mut busy, mut lat) = (0, 0, 0, Vec::new());
+    let tasks: Vec<_> = (0..16u32).map(|s| tokio::spawn(run_session(server.url.clone(), format!("load-{s}"), s))).collect();
+    let (mut ok, mut resend, mut busy, mut lat, mut answers) = (0, 0, 0, Vec::new(), Vec::new());
     for t in tasks {
-        let (o, r, b, l) = t.await.unwrap();
+        let (o, r, b, l, a) = t.await.unwrap();
         ok += o;
         resend += r;
         busy += b;
         lat.extend(l);
+        answers.push(a);
     }
     sampling.store(false, Ordering::SeqCst);
     let peak = sampler.await.unwrap().max(rss_mb(pid));
@@ -153,6 +118,52 @@ async fn sixteen_concurrent_sessions_stay_within_budget() {
     let metrics = reqwest::Client::new().get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
     let cache_bytes: f64 = metrics.lines().find_map(|l| l.strip_prefix("spade_kv_cache_bytes ")).unwrap().parse().unwrap();
     assert!(cache_bytes <= (BUDGET_MB * 1024 * 1024) as f64, "sessions hold {cache_bytes} bytes");
+    // The calls were batched, and each session's answers equal those it gets scored alone.
+    let counter = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().parse::<f64>().unwrap();
+    let (passes, batched) = (counter("spade_verify_passes_total"), counter("spade_verify_pass_sessions_total"));
+    println!("{batched} calls in {passes} passes ({:.1} sessions per pass)", batched / passes);
+    assert!(batched > passes * 2.0, "concurrent calls were not batched: {batched} calls in {passes} passes");
+    for (s, want) in answers.iter().enumerate() {
+        let alone = run_session(server.url.clone(), format!("alone-{s}"), s as u32).await;
+        assert_eq!(&alone.4, want, "session {s}: batched answers differ from those scored alone");
+    }
     // Model + budget + allocator slack; a cache without a budget would hold 16 x 150 positions x 46 KB.
     assert!(peak < baseline + BUDGET_MB as f64 + 150.0, "RSS {peak} MB vs baseline {baseline} MB");
+}
+
+/// Eight greedy verify calls of one session, each appending to the last: (answered, resend, 429,
+/// latencies in seconds, (accepted, next token) per answer).
+async fn run_session(url: String, session: String, s: u32) -> (usize, usize, usize, Vec<f64>, Vec<(u64, u64)>) {
+    let client = reqwest::Client::new();
+    let (mut ok, mut resend, mut busy, mut latencies, mut answers) = (0, 0, 0, Vec::new(), Vec::new());
+    let mut context: Vec<u32> = (0..120).map(|i| 200 + (i * 37 + s * 101) % 20000).collect();
+    let mut session_len = 0u64;
+    for _ in 0..8 {
+        let draft: Vec<Value> = (0..4).map(|i| json!({"token": 300 + i, "q": [[300 + i, 1.0]]})).collect();
+        let body = if session_len == 0 {
+            json!({"session_id": session, "context": context, "draft": draft, "sampling": {"temperature": 0.0}})
+        } else {
+            json!({"session_id": session, "context": [], "context_start": session_len, "draft": draft, "sampling": {"temperature": 0.0}})
+        };
+        let t = Instant::now();
+        let (status, v) = post(&client, &url, &body).await;
+        latencies.push(t.elapsed().as_secs_f64());
+        match status {
+            200 => {
+                ok += 1;
+                session_len = v["session_len"].as_u64().unwrap();
+                let (n, next) = (v["accepted"].as_u64().unwrap(), v["next_token"].as_u64().unwrap());
+                context.extend(300..300 + n as u32);
+                context.push(next as u32);
+                answers.push((n, next));
+            }
+            409 => {
+                resend += 1;
+                session_len = 0; // evicted: send the whole context next time
+            }
+            429 => busy += 1,
+            other => panic!("unexpected status {other}: {v}"),
+        }
+    }
+    (ok, resend, busy, latencies, answers)
 }

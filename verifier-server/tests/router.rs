@@ -35,7 +35,7 @@ fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
     args.extend_from_slice(extra);
     let verifier = Arc::new(Verifier::new(&Config::parse_from(args)));
     if ready {
-        verifier.target_model.set(Arc::new(scorer()));
+        verifier.load_model(Arc::new(scorer())).unwrap();
     }
     verifier
 }
@@ -323,7 +323,7 @@ async fn oversized_bodies_are_413() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_full_queue_answers_429_with_retry_after() {
-    let st = state(&["--queue-size", "0", "--workers", "1"], true);
+    let st = state(&["--queue-size", "0", "--max-batch-sessions", "1"], true);
     let slow = {
         let st = st.clone();
         tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await })
@@ -336,6 +336,35 @@ async fn a_full_queue_answers_429_with_retry_after() {
     assert_eq!(slow.await.unwrap().0, StatusCode::OK);
     let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
     assert!(text.as_str().unwrap().contains("spade_verify_queue_full_total 1"));
+}
+
+/// Calls arriving while a pass runs are scored together in the next one, and each gets the answer
+/// it gets alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_arriving_during_a_pass_share_the_next_one() {
+    let st = state(&[], true);
+    let slow = {
+        let st = st.clone();
+        tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let bodies: Vec<Value> = (1..4).map(|t| greedy(&[t, t + 1], &[next_of(t + 1), 5])).collect();
+    let calls: Vec<_> = bodies.iter().map(|b| (st.clone(), b.clone())).map(|(st, b)| tokio::spawn(async move { verify(&st, b).await })).collect();
+    let mut batched = Vec::new();
+    for call in calls {
+        batched.push(call.await.unwrap());
+    }
+    assert_eq!(slow.await.unwrap().0, StatusCode::OK);
+    let alone = state(&[], true);
+    for (body, (status, answer)) in bodies.iter().zip(batched) {
+        assert_eq!(status, StatusCode::OK, "{answer}");
+        let (_, want) = verify(&alone, body.clone()).await;
+        assert_eq!(answer["accepted"], want["accepted"]);
+        assert_eq!(answer["next_token"], want["next_token"]);
+    }
+    let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
+    let text = text.as_str().unwrap();
+    assert!(text.contains("spade_verify_passes_total 2") && text.contains("spade_verify_pass_sessions_total 4"), "{text}");
 }
 
 #[tokio::test]
