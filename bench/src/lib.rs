@@ -11,9 +11,13 @@
 //!   counters and CPU time),
 //!   [`summary`] and [`stats`] (the figures), [`report`] (the Markdown tables).
 //!
+//! - The `spade-capacity` binary's [`capacity`]: recorded edges replayed against one verifier,
+//!   batched and one call at a time.
+//!
 //! The `spade-delay-proxy` binary is a thin command line over [`run_proxy`]; tests and benchmarks start
 //! the proxy in-process with [`spawn_proxy`].
 
+pub mod capacity;
 pub mod client;
 pub mod link;
 pub mod machine;

@@ -16,6 +16,13 @@ pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
     Ok(ticks as f64 / if per_second > 0 { per_second as f64 } else { 100.0 })
 }
 
+/// A process's resident memory now (`VmRSS`), in MiB; 0 when it cannot be read.
+pub fn rss_mb(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok());
+    kb.map_or(0.0, |kb| kb / 1024.0)
+}
+
 /// utime + stime (fields 14 and 15) of a `/proc/PID/stat` line. The command name (field 2) is in
 /// parentheses and may itself hold spaces or parentheses, so fields are counted after the last ')'.
 pub fn cpu_ticks(stat: &str) -> Option<u64> {
