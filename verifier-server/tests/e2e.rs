@@ -121,8 +121,8 @@ async fn sixteen_concurrent_sessions_stay_within_budget() {
     // The calls were batched, and each session's answers equal those it gets scored alone.
     let counter = |name: &str| metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).unwrap().parse::<f64>().unwrap();
     let (passes, batched) = (counter("spade_verify_passes_total"), counter("spade_verify_pass_sessions_total"));
-    println!("{batched} calls in {passes} passes ({:.1} sessions per pass)", batched / passes);
-    assert!(batched > passes * 2.0, "concurrent calls were not batched: {batched} calls in {passes} passes");
+    println!("{batched} session steps in {passes} passes ({:.1} sessions per pass)", batched / passes);
+    assert!(batched > passes * 2.0, "concurrent calls were not batched: {batched} session steps in {passes} passes");
     for (s, want) in answers.iter().enumerate() {
         let alone = run_session(server.url.clone(), format!("alone-{s}"), s as u32).await;
         assert_eq!(&alone.4, want, "session {s}: batched answers differ from those scored alone");
