@@ -176,7 +176,8 @@ pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: 
                 .await?;
             if r.status() == StatusCode::TOO_MANY_REQUESTS {
                 result.busy += 1;
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                let after = r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                tokio::time::sleep(after.map_or(Duration::from_millis(50), Duration::from_secs)).await;
                 continue;
             }
             if !r.status().is_success() {

@@ -96,6 +96,56 @@ fn rows_within(call: &Waiting, cap: usize, budget: usize) -> usize {
     }
 }
 
+/// What one forward row costs, learned from passes: a decayed average weighted by rows, so the
+/// large passes a backlog drains in count most, and a slower or faster machine shows within a few
+/// passes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RowCost {
+    seconds: f64,
+    rows: f64,
+}
+
+impl RowCost {
+    /// Weight kept by the past at each pass.
+    const KEEP: f64 = 0.9;
+
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if rows > 0 && seconds.is_finite() && seconds >= 0.0 {
+            self.seconds = self.seconds * Self::KEEP + seconds;
+            self.rows = self.rows * Self::KEEP + rows as f64;
+        }
+    }
+
+    /// Seconds per row; none before the first pass.
+    pub fn seconds_per_row(&self) -> Option<f64> {
+        (self.rows > 0.0).then(|| self.seconds / self.rows)
+    }
+}
+
+/// Whether the verifier takes `call` now, with `backlog_rows` rows of earlier calls still to score;
+/// otherwise the seconds to wait before asking again (at least 1: a `retry-after`).
+///
+/// Decode blocks (at most one prefill chunk beyond the rows that need logits) always join: they
+/// belong to generations already running, which [`plan_pass`] serves first, so they cost the
+/// others little. A longer call (a new prompt, a resent context) joins only while the backlog
+/// drains within `max_backlog_secs` by the measured row cost, so every call taken finishes in
+/// about that time plus its own rows, instead of all of them timing out behind a queue of
+/// prompts. Before the first pass the cost is unknown and every call joins; `max_backlog_secs`
+/// 0 turns the check off.
+pub fn admit(call: Waiting, backlog_rows: usize, cost: &RowCost, limits: &PassLimits, max_backlog_secs: f64) -> Result<(), u64> {
+    let prefill = call.pending.saturating_sub(call.tail);
+    let Some(per_row) = cost.seconds_per_row() else { return Ok(()) };
+    if max_backlog_secs <= 0.0 || prefill <= limits.prefill_chunk {
+        return Ok(());
+    }
+    let backlog_secs = backlog_rows as f64 * per_row;
+    if backlog_secs <= max_backlog_secs {
+        Ok(())
+    } else {
+        Err(((backlog_secs - max_backlog_secs).ceil() as u64).max(1))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,5 +244,39 @@ mod tests {
         assert!(LIMITS.check(17).is_ok());
         assert!(PassLimits { max_rows: 33, ..LIMITS }.check(17).is_err());
         assert!(PassLimits { max_sessions: 0, ..LIMITS }.check(1).is_err());
+    }
+    #[test]
+    fn row_cost_weights_large_passes_and_forgets() {
+        let mut cost = RowCost::default();
+        assert_eq!(cost.seconds_per_row(), None);
+        cost.observe(0, 1.0);
+        assert_eq!(cost.seconds_per_row(), None, "an empty pass says nothing");
+        cost.observe(1, 0.16);
+        cost.observe(64, 4.16);
+        let per_row = cost.seconds_per_row().unwrap();
+        assert!((per_row - 4.16 / 64.0).abs() < 0.002, "{per_row}");
+        // A machine twice as slow from now on shows within a few dozen passes.
+        for _ in 0..40 {
+            cost.observe(64, 8.32);
+        }
+        assert!((cost.seconds_per_row().unwrap() - 0.13).abs() < 0.002);
+    }
+
+    #[test]
+    fn prompts_wait_while_the_backlog_is_long_and_decode_blocks_never_do() {
+        let mut cost = RowCost::default();
+        let prompt = call(400, 5);
+        assert_eq!(admit(prompt, 10_000, &cost, &LIMITS, 20.0), Ok(()), "no cost measured yet");
+        cost.observe(10, 1.0);
+        // 150 rows at 0.1 s: 15 s of backlog, within 20 s.
+        assert_eq!(admit(prompt, 150, &cost, &LIMITS, 20.0), Ok(()));
+        // 1,000 rows: 100 s, 80 s over the bound.
+        assert_eq!(admit(prompt, 1000, &cost, &LIMITS, 20.0), Err(80));
+        assert_eq!(admit(prompt, 201, &cost, &LIMITS, 20.0), Err(1), "at least a second");
+        // A decode block, or one with a chunk of catching up, goes in whatever the backlog.
+        assert_eq!(admit(call(5, 5), 1000, &cost, &LIMITS, 20.0), Ok(()));
+        assert_eq!(admit(call(21, 5), 1000, &cost, &LIMITS, 20.0), Ok(()));
+        assert_eq!(admit(call(22, 5), 1000, &cost, &LIMITS, 20.0), Err(80));
+        assert_eq!(admit(prompt, 1000, &cost, &LIMITS, 0.0), Ok(()), "0 turns the check off");
     }
 }

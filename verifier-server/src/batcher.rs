@@ -6,16 +6,21 @@
 //! oldest first, within the row and session limits; long prefills advance by chunks while others
 //! wait. The scorer's batched pass is bit-identical to scoring each call alone, so a call's answer
 //! does not depend on what it was batched with.
+//!
+//! The thread also keeps the backlog (rows still to score) and what a row costs, so a call that
+//! brings a long prompt can be told to come back later ([`Batcher::admit`]) instead of waiting
+//! behind minutes of other prompts until its caller gives up.
 
 use std::collections::VecDeque;
-use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::batching::{plan_pass, PassLimits, Waiting};
-use spade_engine::{BatchJob, EngineError, Logits, Scorer};
+use spade_core::batching::{admit, plan_pass, PassLimits, RowCost, Waiting};
+use spade_engine::{BatchJob, EngineError, Logits, ScoreSession, Scorer};
 use tokio::sync::{oneshot, OwnedMutexGuard};
 
+use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::sessions::Session;
 
@@ -32,33 +37,85 @@ struct Call {
     session: OwnedMutexGuard<Session>,
     tokens: Vec<u32>,
     n_logits: usize,
+    /// Rows still to score (counted in [`Load::rows`]).
+    left: usize,
     arrived: Instant,
     first_pass: Option<Instant>,
     reply: oneshot::Sender<Scored>,
 }
 
+/// What the scoring thread and the handlers share: the rows every call sent and not yet answered
+/// still needs, and what a row costs.
+#[derive(Default)]
+pub struct Load {
+    rows: AtomicUsize,
+    cost: Mutex<RowCost>,
+}
+
+impl Load {
+    /// Seconds the rows waiting now take to score at the measured cost (0 before the first pass).
+    pub fn backlog_seconds(&self) -> f64 {
+        self.rows.load(Ordering::SeqCst) as f64 * self.row_cost().seconds_per_row().unwrap_or(0.0)
+    }
+
+    fn row_cost(&self) -> RowCost {
+        *self.cost.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rows leave the backlog: scored, or their call ended.
+    fn remove(&self, rows: usize) {
+        self.rows.fetch_sub(rows, Ordering::SeqCst);
+    }
+}
+
+/// A call [`Batcher::admit`] took: the rows it adds to the backlog.
+pub struct Joining {
+    rows: usize,
+}
+
 /// The handle calls are sent through; the scoring thread ends when the last handle is dropped.
 pub struct Batcher {
     calls: mpsc::Sender<Call>,
+    limits: PassLimits,
+    max_backlog_secs: f64,
+    pub load: Arc<Load>,
 }
 
 impl Batcher {
-    pub fn start(scorer: Arc<dyn Scorer>, limits: PassLimits, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+    pub fn start(scorer: Arc<dyn Scorer>, limits: PassLimits, max_backlog_secs: f64, metrics: Arc<Metrics>) -> std::io::Result<Self> {
         let (calls, queue) = mpsc::channel();
-        std::thread::Builder::new().name("spade-batcher".into()).spawn(move || run(scorer.as_ref(), &limits, &metrics, &queue))?;
-        Ok(Self { calls })
+        let load = Arc::new(Load::default());
+        let shared = load.clone();
+        std::thread::Builder::new().name("spade-batcher".into()).spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
+        Ok(Self { calls, limits, max_backlog_secs, load })
+    }
+
+    /// Whether a call scoring `tokens` in `session` (the last `n_logits` with logits) may join now:
+    /// spade-core's [`admit`] against the current backlog, else 429 `verifier_busy`.
+    pub fn admit(&self, session: &dyn ScoreSession, tokens: &[u32], n_logits: usize) -> Result<Joining, ApiError> {
+        let call = Waiting { pending: session.rows_to_score(tokens, n_logits), tail: n_logits };
+        let backlog = self.load.rows.load(Ordering::SeqCst);
+        match admit(call, backlog, &self.load.row_cost(), &self.limits, self.max_backlog_secs) {
+            Ok(()) => Ok(Joining { rows: call.pending }),
+            Err(retry_after) => Err(ApiError::Busy { retry_after, backlog_secs: self.load.backlog_seconds() }),
+        }
     }
 
     /// Scores `tokens` in `session`, returning the logits of the last `n_logits` positions.
-    pub async fn score(&self, session: OwnedMutexGuard<Session>, tokens: Vec<u32>, n_logits: usize) -> Result<Scored, EngineError> {
+    pub async fn score(&self, joining: Joining, session: OwnedMutexGuard<Session>, tokens: Vec<u32>, n_logits: usize) -> Result<Scored, EngineError> {
         let (reply, answer) = oneshot::channel();
-        let call = Call { session, tokens, n_logits, arrived: Instant::now(), first_pass: None, reply };
-        self.calls.send(call).map_err(|_| EngineError::Drafter("the scoring thread has stopped".into()))?;
+        let left = joining.rows;
+        let call = Call { session, tokens, n_logits, left, arrived: Instant::now(), first_pass: None, reply };
+        self.load.rows.fetch_add(left, Ordering::SeqCst);
+        if self.calls.send(call).is_err() {
+            self.load.remove(left);
+            return Err(EngineError::Drafter("the scoring thread has stopped".into()));
+        }
         answer.await.map_err(|_| EngineError::Drafter("the scoring thread dropped the call".into()))
     }
 }
 
-fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, queue: &mpsc::Receiver<Call>) {
+fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load, queue: &mpsc::Receiver<Call>) {
     let mut waiting: VecDeque<Call> = VecDeque::new();
     loop {
         if waiting.is_empty() {
@@ -69,7 +126,13 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, queue: &mpsc
         }
         waiting.extend(queue.try_iter());
         // A caller that went away no longer needs its rows (its session is released with it).
-        waiting.retain(|call| !call.reply.is_closed());
+        waiting.retain(|call| {
+            let gone = call.reply.is_closed();
+            if gone {
+                load.remove(call.left);
+            }
+            !gone
+        });
         if waiting.is_empty() {
             continue;
         }
@@ -88,7 +151,14 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, queue: &mpsc
         }
         let results = scorer.score_batch(&mut jobs);
         drop(jobs);
-        metrics.record_pass(joined.len(), plan.iter().sum(), started.elapsed());
+        let (rows, elapsed) = (plan.iter().sum(), started.elapsed());
+        metrics.record_pass(joined.len(), rows, elapsed);
+        load.cost.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
+        for (call, &rows) in waiting.iter_mut().zip(&plan) {
+            let scored = rows.min(call.left);
+            call.left -= scored;
+            load.remove(scored);
+        }
         // Finished calls leave the queue; the others keep their place for the next pass.
         let mut finished: Vec<(usize, Result<Logits, EngineError>)> = Vec::new();
         for (i, result) in joined.into_iter().zip(results) {
@@ -101,6 +171,8 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, queue: &mpsc
         let done = Instant::now();
         for (i, logits) in finished.into_iter().rev() {
             let call = waiting.remove(i).expect("a planned call is in the queue");
+            // Nothing, unless scoring failed part way.
+            load.remove(call.left);
             let first = call.first_pass.unwrap_or(started);
             let scored = Scored { session: call.session, logits, queued: first - call.arrived, forward: done - first };
             // The caller may be gone; its session is then released here.

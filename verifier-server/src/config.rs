@@ -36,6 +36,13 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_PREFILL_CHUNK", default_value_t = 16)]
     pub prefill_chunk: usize,
 
+    /// Seconds of scoring that may wait before a call bringing a prompt (more than one prefill
+    /// chunk of new positions) is answered 429 `verifier_busy` with a retry-after, so the calls
+    /// taken finish in about this time instead of timing out in a long queue. Decode blocks of
+    /// running generations are always taken. 0 takes every call.
+    #[arg(long, env = "SPADE_VERIFIER_MAX_BACKLOG_SECS", default_value_t = 20.0)]
+    pub max_backlog_secs: f64,
+
     /// Compute threads for the model (default: all cores).
     #[arg(long, env = "SPADE_VERIFIER_THREADS")]
     pub threads: Option<usize>,
@@ -62,6 +69,9 @@ impl Config {
         }
         if !self.server.host.is_loopback() && self.server.api_key().is_none() {
             return Err(format!("refusing to bind {} without --api-key (SPADE_VERIFIER_API_KEY): the verifier would be open to anyone", self.server.host));
+        }
+        if !(self.max_backlog_secs >= 0.0 && self.max_backlog_secs.is_finite()) {
+            return Err("--max-backlog-secs must be a number of seconds, 0 or more".into());
         }
         if self.max_draft == 0 {
             return Err("--max-draft must be at least 1".into());

@@ -15,6 +15,8 @@ pub enum ApiError {
     ResendContext(String),
     #[error("the verify queue is full; retry after {0} s")]
     QueueFull(u64),
+    #[error("the verifier is busy: {backlog_secs:.0} s of scoring are waiting (over --max-backlog-secs); retry after {retry_after} s")]
+    Busy { retry_after: u64, backlog_secs: f64 },
     #[error("the model is still loading")]
     NotReady,
     #[error("internal error: {0}")]
@@ -38,6 +40,9 @@ impl From<&ApiError> for ErrorResponse {
             ApiError::QueueFull(secs) => ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
                 .with_code("queue_full")
                 .with_header(header::RETRY_AFTER, HeaderValue::from(*secs)),
+            ApiError::Busy { retry_after, .. } => ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+                .with_code("verifier_busy")
+                .with_header(header::RETRY_AFTER, HeaderValue::from(*retry_after)),
             ApiError::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("not_ready"),
             ApiError::Internal(_) => ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message),
         }

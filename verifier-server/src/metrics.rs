@@ -13,6 +13,7 @@ pub struct Metrics {
     verify_calls: AtomicU64,
     verify_errors: AtomicU64,
     rejected_queue_full: AtomicU64,
+    rejected_busy: AtomicU64,
     draft_tokens: AtomicU64,
     accepted_tokens: AtomicU64,
     emitted_tokens: AtomicU64,
@@ -34,6 +35,7 @@ impl Default for Metrics {
             verify_calls: AtomicU64::new(0),
             verify_errors: AtomicU64::new(0),
             rejected_queue_full: AtomicU64::new(0),
+            rejected_busy: AtomicU64::new(0),
             draft_tokens: AtomicU64::new(0),
             accepted_tokens: AtomicU64::new(0),
             emitted_tokens: AtomicU64::new(0),
@@ -89,17 +91,23 @@ impl Metrics {
         self.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
     }
 
+    pub fn record_busy(&self) {
+        self.rejected_busy.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn record_evictions(&self, n: usize) {
         self.evicted_sessions.fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition; `sessions`, `cache_bytes` and `held` are gauges read now.
-    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, ready: bool) -> String {
+    /// The Prometheus text exposition; `sessions`, `cache_bytes`, `held` and `backlog_secs` are
+    /// gauges read now.
+    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, backlog_secs: f64, ready: bool) -> String {
         let mut out = String::new();
         let counters = [
             ("spade_verify_calls_total", "Verify calls answered.", &self.verify_calls),
             ("spade_verify_errors_total", "Verify calls that failed validation or scoring.", &self.verify_errors),
             ("spade_verify_queue_full_total", "Verify calls refused with 429 because the queue was full.", &self.rejected_queue_full),
+            ("spade_verify_busy_total", "Calls with a prompt refused with 429 because the backlog was over --max-backlog-secs.", &self.rejected_busy),
             ("spade_spec_decode_num_draft_tokens_total", "Draft tokens judged.", &self.draft_tokens),
             ("spade_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", &self.accepted_tokens),
             ("spade_spec_decode_num_emitted_tokens_total", "Tokens committed (accepted plus correction or bonus).", &self.emitted_tokens),
@@ -132,6 +140,8 @@ impl Metrics {
         for (name, help, value) in gauges {
             render_scalar(&mut out, "gauge", name, help, value);
         }
+        let backlog_help = "Seconds of scoring waiting, at the measured cost per position (--max-backlog-secs bounds it for new prompts).";
+        render_scalar(&mut out, "gauge", "spade_verify_backlog_seconds", backlog_help, format!("{backlog_secs:.3}"));
         out
     }
 }

@@ -36,6 +36,7 @@ pub struct Verifier {
     pub admission: Admission,
     pub metrics: Arc<Metrics>,
     pub pass_limits: PassLimits,
+    pub max_backlog_secs: f64,
     pub limits: Limits,
     pub http: HttpSettings,
 }
@@ -51,6 +52,7 @@ impl Verifier {
             admission: Admission::new(config.max_batch_sessions + config.queue_size),
             metrics: Arc::default(),
             pass_limits: config.pass_limits(),
+            max_backlog_secs: config.max_backlog_secs,
             limits: Limits { max_draft: config.max_draft, max_top_logprobs: MAX_TOP_LOGPROBS, max_session_id_len: MAX_SESSION_ID_LEN },
             http: config.server.http(),
         }
@@ -58,7 +60,7 @@ impl Verifier {
 
     /// Serves `scorer` from now on, starting its scoring thread.
     pub fn load_model(&self, scorer: Arc<dyn Scorer>) -> std::io::Result<()> {
-        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.metrics.clone())?;
+        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.max_backlog_secs, self.metrics.clone())?;
         self.target_model.set(Arc::new(Target { scorer, batcher }));
         Ok(())
     }

@@ -165,7 +165,7 @@ impl IntoResponse for VerifyReply {
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 409, description = "Session unknown or shorter than context_start: resend the full context", body = ErrorBody),
         (status = 413, description = "Body over the size limit", body = ErrorBody),
-        (status = 429, description = "Queue full; see retry-after", body = ErrorBody),
+        (status = 429, description = "Queue full (code queue_full), or a prompt while the backlog is over --max-backlog-secs (code verifier_busy); see retry-after", body = ErrorBody),
         (status = 503, description = "Model still loading", body = ErrorBody),
     ),
     security(("bearer" = []))
@@ -174,6 +174,7 @@ pub async fn verify(State(state): State<AppState>, body: VerifyBody) -> Result<V
     let result = handle(&state, body.request).await;
     match &result {
         Err(ApiError::QueueFull(_)) => state.metrics.record_queue_full(),
+        Err(ApiError::Busy { .. }) => state.metrics.record_busy(),
         Err(_) => state.metrics.record_error(),
         Ok(_) => {}
     }
@@ -203,6 +204,8 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
 
     let ValidVerify { drafts, rule, grammar, seed, top_logprobs, session_id, context_start, .. } = valid;
     let drafted = drafts.len();
+    let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
+    let joining = target.batcher.admit(guard.score.as_ref(), &tokens, drafted + 1)?;
     // The grammar is brought to the context before scoring, so a bad one costs no forward pass.
     let scorer = target.scorer.clone();
     let (guard, context) = blocking(move || {
@@ -225,8 +228,7 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     })
     .await?;
 
-    let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
-    let scored = target.batcher.score(guard, tokens, drafted + 1).await?;
+    let scored = target.batcher.score(joining, guard, tokens, drafted + 1).await?;
     let Scored { session: guard, logits, queued, forward } = scored;
     let logits = logits?;
     let (mut guard, round) = blocking(move || {

@@ -71,6 +71,56 @@ async fn verify_equals_the_rule_on_the_scorers_logits() {
     assert_eq!(info["vocab_size"].as_u64(), Some(scorer.meta().vocab_size as u64));
 }
 
+/// With more scoring waiting than --max-backlog-secs, a new prompt gets 429 `verifier_busy` with a
+/// retry-after, while a running session's decode block is still taken and answered before the long
+/// prompt ahead of it finishes; once the backlog drains the prompt is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_verifier_turns_prompts_away_and_keeps_decoding() {
+    let server = start(&["--max-backlog-secs", "0.001"]).await;
+    let client = reqwest::Client::new();
+    let prompt = |n: u32, s: u32| -> Vec<u32> { (0..n).map(|i| 200 + (i * 37 + s * 101) % 20000).collect() };
+    let call = |session: &str, context: Vec<u32>, start: u64, draft: Vec<WireDraftToken>| json!({"session_id": session, "context": context, "context_start": start, "draft": draft, "sampling": SamplingParams::default(), "seed": 1});
+    // A first call measures what a row costs.
+    let (status, warm) = post(&client, &server.url, &call("running", prompt(24, 0), 0, vec![])).await;
+    assert_eq!(status, 200, "{warm}");
+    let running_len = warm["session_len"].as_u64().unwrap();
+
+    let long = {
+        let (client, url, body) = (client.clone(), server.url.clone(), call("long", prompt(800, 1), 0, vec![]));
+        tokio::spawn(async move { post(&client, &url, &body).await })
+    };
+    let backlog = || async {
+        let text = client.get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+        text.lines().find_map(|l| l.strip_prefix("spade_verify_backlog_seconds ")).unwrap().parse::<f64>().unwrap()
+    };
+    let waited = Instant::now();
+    while backlog().await <= 0.0 {
+        assert!(!long.is_finished() && waited.elapsed() < Duration::from_secs(30), "the long prompt never showed in the backlog");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let r = client.post(format!("{}/verify", server.url)).bearer_auth(KEY).json(&call("newcomer", prompt(100, 2), 0, vec![])).send().await.unwrap();
+    let retry_after = r.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    let (status, refused): (u16, Value) = (r.status().as_u16(), r.json().await.unwrap());
+    assert_eq!(status, 429, "{refused}");
+    assert_eq!(refused["error"]["code"], "verifier_busy", "{refused}");
+    assert!(retry_after.is_some_and(|s| s >= 1), "retry-after {retry_after:?}");
+
+    let q = spade_core::SparseDist::new(vec![(284, 1.0)], None).unwrap();
+    let block = vec![WireDraftToken::from_draft(&DraftToken { token: 284, q })];
+    let (status, decoded) = post(&client, &server.url, &call("running", vec![], running_len, block)).await;
+    assert_eq!(status, 200, "{decoded}");
+    assert!(!long.is_finished(), "the decode block should not wait for the long prompt");
+
+    let (status, answer) = long.await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let (status, taken) = post(&client, &server.url, &call("newcomer", prompt(100, 2), 0, vec![])).await;
+    assert_eq!(status, 200, "once the backlog drained: {taken}");
+    let metrics = client.get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("spade_verify_busy_total 1\n"), "{metrics}");
+    assert!(metrics.contains("spade_verify_backlog_seconds 0.000\n"), "the backlog is empty again");
+}
+
 /// 16 sessions at once, 8 calls each: every call succeeds or gets the documented 429 (queue full),
 /// the caches stay within the budget and RSS within model + budget. (Eviction under a budget smaller
 /// than the sessions is covered by the router tests.)
