@@ -67,12 +67,13 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_CONNECT_TIMEOUT_SECS", default_value_t = 5.0)]
     pub connect_timeout_secs: f64,
 
-    /// Seconds one verify call may take (queueing on the verifier included) before it is retried.
+    /// Seconds one verify call may take (queueing on the verifier included) before it is retried;
+    /// also how long a call waits out a busy verifier's 429s (their retry-after) before it fails.
     #[arg(long, env = "SPADE_GATEWAY_VERIFY_TIMEOUT_SECS", default_value_t = 60.0)]
     pub verify_timeout_secs: f64,
 
-    /// Retries of a failed verify call (connection errors, timeouts, 429, 5xx). `/verify` is
-    /// idempotent: a retry gets the same answer.
+    /// Retries of a failed verify call (connection errors, timeouts, 5xx; a 429 is waited out
+    /// instead, see --verify-timeout-secs). `/verify` is idempotent: a retry gets the same answer.
     #[arg(long, env = "SPADE_GATEWAY_VERIFY_RETRIES", default_value_t = 2)]
     pub verify_retries: u32,
 

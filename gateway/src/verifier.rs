@@ -1,5 +1,10 @@
 //! The verifier client: one pooled reqwest client, timeouts on every call, bounded retries.
 //!
+//! A 429 is the verifier saying "later", not a failure: the client waits as its `retry-after` says
+//! (plus up to a fifth more, so gateways told the same second do not come back together) for as
+//! long as the call's `--verify-timeout-secs` allows, without spending a retry. Retries are for
+//! failures: timeouts, lost connections, 5xx.
+//!
 //! Retrying `/verify` is safe: its randomness is keyed by (seed, position), so the same request gets
 //! the same answer, and a session delta that reaches a verifier twice is refused (409), not applied
 //! twice.
@@ -48,8 +53,6 @@ pub struct VerifierClient {
     retries: u32,
 }
 
-/// Longest wait honoured from a 429's retry-after before trying again.
-const MAX_RETRY_AFTER: Duration = Duration::from_secs(5);
 const INFO_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl VerifierClient {
@@ -102,11 +105,10 @@ impl VerifierClient {
         } else {
             (serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?, "application/json")
         };
-        let mut last = String::new();
-        for attempt in 0..=self.retries {
-            if attempt > 0 {
-                tracing::debug!(attempt, "retrying /verify: {last}");
-            }
+        // Waiting out 429s may take this long; each attempt has its own timeout besides.
+        let patience = Instant::now() + self.verify_timeout;
+        let mut failures = 0;
+        loop {
             let started = Instant::now();
             let sent = self
                 .request(reqwest::Method::POST, "/verify")
@@ -116,15 +118,14 @@ impl VerifierClient {
                 .timeout(self.verify_timeout)
                 .send()
                 .await;
-            let mut wait = Duration::from_millis(100 << attempt.min(5));
-            match sent {
-                Err(e) => last = describe(&e),
+            let failed = match sent {
+                Err(e) => describe(&e),
                 Ok(response) => {
                     let status = response.status();
                     let retry_after =
                         response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).map(Duration::from_secs);
                     match response.bytes().await {
-                        Err(e) => last = describe(&e),
+                        Err(e) => describe(&e),
                         Ok(bytes) if status == StatusCode::OK => {
                             let response = if binary {
                                 decode_response(&bytes).map_err(|e| e.to_string())
@@ -135,24 +136,35 @@ impl VerifierClient {
                             return Ok(Exchange { response, bytes_sent: body.len() as u64, bytes_received: bytes.len() as u64, latency: started.elapsed() });
                         }
                         Ok(_) if status == StatusCode::CONFLICT => return Err(CallError::ResendContext),
-                        Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS || status.is_server_error() => {
-                            last = format!("/verify answered {status}: {}", message(&bytes));
-                            if let Some(after) = retry_after {
-                                wait = after.min(MAX_RETRY_AFTER);
+                        Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS => {
+                            let after = retry_after.unwrap_or(Duration::from_secs(1));
+                            let wait = after.mul_f64(1.0 + rand::rng().random_range(0.0..0.2));
+                            if Instant::now() + wait > patience {
+                                return Err(CallError::Unreachable(format!(
+                                    "/verify answered {status}: {}; waiting the {} s it asks would exceed --verify-timeout-secs",
+                                    message(&bytes),
+                                    after.as_secs()
+                                )));
                             }
+                            tracing::debug!(wait_s = wait.as_secs_f64(), "verifier busy: {}", message(&bytes));
+                            tokio::time::sleep(wait).await;
+                            continue;
                         }
+                        Ok(bytes) if status.is_server_error() => format!("/verify answered {status}: {}", message(&bytes)),
                         Ok(bytes) if status == StatusCode::UNAUTHORIZED => {
                             return Err(CallError::Rejected(format!("the verifier refused the API key: {}", message(&bytes))));
                         }
                         Ok(bytes) => return Err(CallError::Rejected(format!("/verify answered {status}: {}", message(&bytes)))),
                     }
                 }
+            };
+            if failures == self.retries {
+                return Err(CallError::Unreachable(failed));
             }
-            if attempt < self.retries {
-                tokio::time::sleep(wait).await;
-            }
+            tracing::debug!(attempt = failures + 1, "retrying /verify: {failed}");
+            tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
+            failures += 1;
         }
-        Err(CallError::Unreachable(last))
     }
 }
 

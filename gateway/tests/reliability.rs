@@ -213,11 +213,11 @@ async fn six_at_once(url: &str, max_tokens: usize) -> Vec<(u16, Value)> {
 /// target-only's. With no retries allowed, each refused call fails exactly its own request with a
 /// clear 503, and the others are unaffected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_cleanly() {
+async fn verifier_429_is_waited_out_and_fails_cleanly_when_it_asks_too_long() {
     let max_tokens = 12;
     let expected = reference(&PROMPTS, max_tokens).await;
     let verifier = start_verifier_on(0, &["--queue-size", "0", "--max-batch-sessions", "1"]).await;
-    let patient = start_gateway(&verifier.url, &["--verify-retries", "30"]).await;
+    let patient = start_gateway(&verifier.url, &[]).await;
     let started = Instant::now();
     let answers = six_at_once(&patient.url, max_tokens).await;
     let elapsed = started.elapsed();
@@ -227,13 +227,15 @@ async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_clea
     let pass = identical == 6 && refused > 0.0 && elapsed >= Duration::from_secs(1);
     report(
         "faults",
-        "verifier queue full (429 + retry-after), 30 retries",
+        "verifier queue full (429 + retry-after), waited out",
         &format!("{identical}/6 identical to target-only; {refused} calls refused with 429; {:.1} s", elapsed.as_secs_f64()),
         pass,
     );
     assert!(pass, "{answers:?}");
 
-    let strict = start_gateway(&verifier.url, &["--verify-retries", "0"]).await;
+    // A 429 spends no retry: the gateway waits as it says while --verify-timeout-secs allows. With
+    // less time than the 1 s it asks, the call fails at once.
+    let strict = start_gateway(&verifier.url, &["--verify-retries", "0", "--verify-timeout-secs", "0.5"]).await;
     let answers = six_at_once(&strict.url, max_tokens).await;
     let refused_now = metric(&verifier.url, "spade_verify_queue_full_total").await - refused;
     let failed: Vec<&Value> = answers.iter().filter(|(status, _)| *status != 200).map(|(_, v)| v).collect();
@@ -244,7 +246,7 @@ async fn verifier_429_is_retried_after_its_delay_and_exhausted_retries_fail_clea
     let pass = statuses_ok && clean && others_identical && failed.len() as f64 == refused_now;
     report(
         "faults",
-        "verifier queue full (429), no retries",
+        "verifier queue full (429), less patience than its retry-after",
         &format!(
             "{} of 6 failed with 503 verifier_unavailable, {refused_now} calls refused; the rest identical to target-only: {others_identical}",
             failed.len()
