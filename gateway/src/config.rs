@@ -67,13 +67,18 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_CONNECT_TIMEOUT_SECS", default_value_t = 5.0)]
     pub connect_timeout_secs: f64,
 
-    /// Seconds one verify call may take (queueing on the verifier included) before it is retried;
-    /// also how long a call waits out a busy verifier's 429s (their retry-after) before it fails.
+    /// Seconds one verify call may take (queueing on the verifier included) before it is retried.
     #[arg(long, env = "SPADE_GATEWAY_VERIFY_TIMEOUT_SECS", default_value_t = 60.0)]
     pub verify_timeout_secs: f64,
 
+    /// Seconds one verify call waits out a busy verifier's 429s (as their retry-after says) before
+    /// its request fails; a verifier that answers 429 is alive, so this may be longer than
+    /// --verify-timeout-secs.
+    #[arg(long, env = "SPADE_GATEWAY_BUSY_WAIT_SECS", default_value_t = 300.0)]
+    pub busy_wait_secs: f64,
+
     /// Retries of a failed verify call (connection errors, timeouts, 5xx; a 429 is waited out
-    /// instead, see --verify-timeout-secs). `/verify` is idempotent: a retry gets the same answer.
+    /// instead, see --busy-wait-secs). `/verify` is idempotent: a retry gets the same answer.
     #[arg(long, env = "SPADE_GATEWAY_VERIFY_RETRIES", default_value_t = 2)]
     pub verify_retries: u32,
 
@@ -120,6 +125,10 @@ pub enum OfflineFallback {
 }
 
 impl Config {
+    pub fn busy_wait(&self) -> Duration {
+        Duration::from_secs_f64(self.busy_wait_secs)
+    }
+
     pub fn verify_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.verify_timeout_secs)
     }
@@ -139,6 +148,9 @@ impl Config {
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
             return Err("timeouts must be positive numbers of seconds".into());
+        }
+        if !(self.busy_wait_secs.is_finite() && self.busy_wait_secs >= 0.0) {
+            return Err("--busy-wait-secs must be a number of seconds, 0 or more".into());
         }
         if let Some(n) = self.draft_len.fixed().filter(|&n| n as usize > self.max_draft_len) {
             return Err(format!("--draft-len {n} is above --max-draft-len {}", self.max_draft_len));

@@ -2,8 +2,8 @@
 //!
 //! A 429 is the verifier saying "later", not a failure: the client waits as its `retry-after` says
 //! (plus up to a fifth more, so gateways told the same second do not come back together) for as
-//! long as the call's `--verify-timeout-secs` allows, without spending a retry. Retries are for
-//! failures: timeouts, lost connections, 5xx.
+//! long as `--busy-wait-secs` allows, without spending a retry. Retries are for failures:
+//! timeouts, lost connections, 5xx.
 //!
 //! Retrying `/verify` is safe: its randomness is keyed by (seed, position), so the same request gets
 //! the same answer, and a session delta that reaches a verifier twice is refused (409), not applied
@@ -50,6 +50,7 @@ pub struct VerifierClient {
     base: String,
     api_key: Option<String>,
     verify_timeout: Duration,
+    busy_wait: Duration,
     retries: u32,
 }
 
@@ -68,6 +69,7 @@ impl VerifierClient {
             base: config.verifier_url.trim_end_matches('/').to_string(),
             api_key: config.verifier_api_key.clone().filter(|k| !k.is_empty()),
             verify_timeout: config.verify_timeout(),
+            busy_wait: config.busy_wait(),
             retries: config.verify_retries,
         })
     }
@@ -106,7 +108,7 @@ impl VerifierClient {
             (serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?, "application/json")
         };
         // Waiting out 429s may take this long; each attempt has its own timeout besides.
-        let patience = Instant::now() + self.verify_timeout;
+        let patience = Instant::now() + self.busy_wait;
         let mut failures = 0;
         loop {
             let started = Instant::now();
@@ -141,7 +143,7 @@ impl VerifierClient {
                             let wait = after.mul_f64(1.0 + rand::rng().random_range(0.0..0.2));
                             if Instant::now() + wait > patience {
                                 return Err(CallError::Unreachable(format!(
-                                    "/verify answered {status}: {}; waiting the {} s it asks would exceed --verify-timeout-secs",
+                                    "/verify answered {status}: {}; waiting the {} s it asks would exceed --busy-wait-secs",
                                     message(&bytes),
                                     after.as_secs()
                                 )));

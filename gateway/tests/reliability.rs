@@ -233,9 +233,9 @@ async fn verifier_429_is_waited_out_and_fails_cleanly_when_it_asks_too_long() {
     );
     assert!(pass, "{answers:?}");
 
-    // A 429 spends no retry: the gateway waits as it says while --verify-timeout-secs allows. With
-    // less time than the 1 s it asks, the call fails at once.
-    let strict = start_gateway(&verifier.url, &["--verify-retries", "0", "--verify-timeout-secs", "0.5"]).await;
+    // A 429 spends no retry: the gateway waits as it says while --busy-wait-secs allows. With less
+    // time than the 1 s it asks, the call fails at once.
+    let strict = start_gateway(&verifier.url, &["--verify-retries", "0", "--busy-wait-secs", "0.5"]).await;
     let answers = six_at_once(&strict.url, max_tokens).await;
     let refused_now = metric(&verifier.url, "spade_verify_queue_full_total").await - refused;
     let failed: Vec<&Value> = answers.iter().filter(|(status, _)| *status != 200).map(|(_, v)| v).collect();
