@@ -106,6 +106,9 @@ impl SamplingParams {
     }
 }
 
+/// Entries sorted first when looking for the top-p nucleus (more when their mass falls short).
+const TOP_P_FIRST_GUESS: usize = 256;
+
 /// Most probable first; ties broken by lower token id, so every truncation is deterministic.
 fn by_weight_desc(a: &(u32, f64), b: &(u32, f64)) -> Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
@@ -143,18 +146,31 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<SparseDis
         weights.truncate(k);
     }
     if params.top_p < 1.0 {
-        weights.sort_unstable_by(by_weight_desc);
         let total: f64 = weights.iter().map(|w| w.1).sum();
         let need = params.top_p as f64 * total;
-        let mut acc = 0.0;
-        let keep = weights
-            .iter()
-            .position(|&(_, w)| {
+        // The nucleus is a prefix of the weights sorted most probable first, and usually a short
+        // one: sort only the `m` largest (selected in linear time), growing m until their mass
+        // reaches `need`, instead of sorting all 150k entries of every row.
+        let mut m = TOP_P_FIRST_GUESS.min(weights.len());
+        loop {
+            if m < weights.len() {
+                weights.select_nth_unstable_by(m - 1, by_weight_desc);
+            }
+            weights[..m].sort_unstable_by(by_weight_desc);
+            let mut acc = 0.0;
+            let reached = weights[..m].iter().position(|&(_, w)| {
                 acc += w;
                 acc >= need
-            })
-            .map_or(weights.len(), |i| i + 1);
-        weights.truncate(keep);
+            });
+            if let Some(i) = reached {
+                weights.truncate(i + 1);
+                break;
+            }
+            if m == weights.len() {
+                break;
+            }
+            m = (m * 8).min(weights.len());
+        }
     }
     if params.min_p > 0.0 {
         // The argmax has weight exp(0) = 1 and survives every step above.
@@ -287,6 +303,42 @@ mod tests {
                 if p >= min_p as f64 * pmax * (1.0 + 1e-6) { prop_assert!(kept); }
                 if p < min_p as f64 * pmax * (1.0 - 1e-6) { prop_assert!(!kept); }
             }
+        }
+    }
+
+    /// The nucleus found by partial selection is the one a full sort finds, entry for entry,
+    /// whether it is short (peaked logits) or most of the vocabulary (flat ones).
+    #[test]
+    fn top_p_by_partial_selection_equals_a_full_sort() {
+        let full_sort = |logits: &[f32], p: &SamplingParams| -> Vec<u32> {
+            let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let inv_t = 1.0 / p.temperature as f64;
+            let mut w: Vec<(u32, f64)> = logits.iter().enumerate().map(|(t, &l)| (t as u32, ((l as f64 - max) * inv_t).exp())).collect();
+            let total: f64 = w.iter().map(|x| x.1).sum();
+            w.sort_unstable_by(by_weight_desc);
+            let mut acc = 0.0;
+            let keep = w.iter().position(|x| {
+                acc += x.1;
+                acc >= p.top_p as f64 * total
+            });
+            w.truncate(keep.map_or(w.len(), |i| i + 1));
+            let mut kept: Vec<u32> = w.into_iter().map(|x| x.0).collect();
+            kept.sort_unstable();
+            kept
+        };
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        };
+        for (spread, top_p) in [(12.0, 0.9), (12.0, 0.5), (0.5, 0.95), (0.01, 0.999), (3.0, 0.99)] {
+            let mut logits: Vec<f32> = (0..20_000).map(|_| next() * spread).collect();
+            logits[7] = logits[8]; // a tie
+            let p = params(1.0, 0, top_p, 0.0);
+            let kept: Vec<u32> = distribution(&logits, &p).unwrap().entries().iter().map(|e| e.0).collect();
+            let want = full_sort(&logits, &p);
+            assert_eq!(kept, want, "spread {spread}, top_p {top_p}");
+            assert!(!kept.is_empty());
         }
     }
 }
