@@ -37,7 +37,8 @@ struct Call {
     session: OwnedMutexGuard<Session>,
     tokens: Vec<u32>,
     n_logits: usize,
-    /// Rows still to score (counted in [`Load::rows`]).
+    /// Rows still to score: counted once, when the call was admitted, then less what each pass
+    /// scored (the sum over calls is [`Load::rows`]).
     left: usize,
     arrived: Instant,
     first_pass: Option<Instant>,
@@ -136,8 +137,7 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
         if waiting.is_empty() {
             continue;
         }
-        let shapes: Vec<Waiting> =
-            waiting.iter().map(|c| Waiting { pending: c.session.score.rows_to_score(&c.tokens, c.n_logits), tail: c.n_logits }).collect();
+        let shapes: Vec<Waiting> = waiting.iter().map(|c| Waiting { pending: c.left, tail: c.n_logits }).collect();
         let plan = plan_pass(&shapes, limits);
         let started = Instant::now();
         let mut joined: Vec<usize> = Vec::new();
@@ -155,10 +155,9 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
         metrics.record_pass(joined.len(), rows, elapsed);
         load.cost.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
         for (call, &rows) in waiting.iter_mut().zip(&plan) {
-            let scored = rows.min(call.left);
-            call.left -= scored;
-            load.remove(scored);
+            call.left -= rows;
         }
+        load.remove(rows);
         // Finished calls leave the queue; the others keep their place for the next pass.
         let mut finished: Vec<(usize, Result<Logits, EngineError>)> = Vec::new();
         for (i, result) in joined.into_iter().zip(results) {
