@@ -95,10 +95,11 @@ impl Batcher {
     /// spade-core's [`admit`] against the current backlog, else 429 `verifier_busy`.
     pub fn admit(&self, session: &dyn ScoreSession, tokens: &[u32], n_logits: usize) -> Result<Joining, ApiError> {
         let call = Waiting { pending: session.rows_to_score(tokens, n_logits), tail: n_logits };
-        let backlog = self.load.rows.load(Ordering::SeqCst);
-        match admit(call, backlog, &self.load.row_cost(), &self.limits, self.max_backlog_secs) {
+        // One reading of the backlog and the cost serves both the decision and its message.
+        let (backlog, cost) = (self.load.rows.load(Ordering::SeqCst), self.load.row_cost());
+        match admit(call, backlog, &cost, &self.limits, self.max_backlog_secs) {
             Ok(()) => Ok(Joining { rows: call.pending }),
-            Err(retry_after) => Err(ApiError::Busy { retry_after, backlog_secs: self.load.backlog_seconds() }),
+            Err(retry_after) => Err(ApiError::Busy { retry_after, backlog_secs: backlog as f64 * cost.seconds_per_row().unwrap_or(0.0) }),
         }
     }
 
