@@ -29,7 +29,8 @@
 //! goes on only while some longer block (up to the chosen `d`) has a higher expected `E / T` than ending here.
 //!
 //! All inputs are exponentially weighted online estimates ([`Estimates`]), so they follow drift (a route
-//! change moving the RTT from 20 to 150 ms) within a few rounds. The gateway keeps one gateway-wide instance,
+//! change moving the RTT from 20 to 150 ms) within a few rounds; acceptance rates average their first
+//! outcomes with their prior instead, so a fresh gateway leaves its priors within a few rounds too. The gateway keeps one gateway-wide instance,
 //! clones it into each generation's [`DraftController`] and feeds it every generation's observations too.
 
 use std::time::Duration;
@@ -39,9 +40,13 @@ use utoipa::ToSchema;
 
 /// Buckets of the acceptance-by-confidence table, of equal width over `[0, 1]`.
 const BUCKETS: usize = 10;
-/// Weight of a new acceptance outcome (by position, by confidence, bonus guess): a generation whose text
-/// drafts unlike the gateway-wide average moves half-way to its own rate within ~4 outcomes.
+/// Weight of a new acceptance outcome (by position, by confidence, bonus guess) once a rate has seen a few:
+/// a generation whose text drafts unlike the gateway-wide average moves half-way to its own rate within ~4 outcomes.
 const ACCEPT_GAIN: f64 = 0.15;
+/// Outcomes a rate's prior is worth: its first outcomes are averaged with the prior as with this many
+/// earlier ones (gains 1/3, 1/4, … down to [`ACCEPT_GAIN`]), so a fresh gateway learns a text's
+/// acceptance within a few rounds instead of the ~15 a constant gain needs to leave the prior.
+const PRIOR_OUTCOMES: f64 = 2.0;
 /// Weight of a new timing sample (RTT, draft step): links change abruptly, and 0.3 closes 97% of a step in 10 rounds.
 const TIME_GAIN: f64 = 0.3;
 /// Per-observation decay of the verifier-time fit's sums: slower than [`TIME_GAIN`] because a two-parameter
@@ -93,13 +98,13 @@ pub struct RoundObservation {
 #[derive(Clone, Debug, Serialize)]
 pub struct Estimates {
     /// `alpha[i] = P(position i accepted | all before accepted)`; positions past the end use the last entry.
-    alpha: Vec<f64>,
+    alpha: Vec<Rate>,
     /// P(the drafted-ahead bonus guess equals the verifier's bonus | all drafts accepted).
-    beta: f64,
+    beta: Rate,
     /// P(a draft is accepted | all before accepted, its confidence in bucket k).
-    by_confidence: [f64; BUCKETS],
+    by_confidence: [Rate; BUCKETS],
     /// The same over every bucket: what a bucket's rate is read against (see [`Estimates::acceptance_at`]).
-    any_confidence: f64,
+    any_confidence: Rate,
     t_draft_s: f64,
     t_start_s: f64,
     rtt_s: f64,
@@ -123,12 +128,12 @@ struct Fit {
 
 impl Default for Estimates {
     fn default() -> Self {
-        let by_confidence = std::array::from_fn(|k| 0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64);
+        let by_confidence = std::array::from_fn(|k| Rate::prior(0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64));
         Self {
-            alpha: vec![ALPHA_PRIOR],
-            beta: 0.6,
+            alpha: vec![Rate::prior(ALPHA_PRIOR)],
+            beta: Rate::prior(0.6),
             by_confidence,
-            any_confidence: ALPHA_PRIOR,
+            any_confidence: Rate::prior(ALPHA_PRIOR),
             t_draft_s: 0.030,
             t_start_s: 0.030,
             rtt_s: 0.010,
@@ -137,6 +142,33 @@ impl Default for Estimates {
             rounds: 0,
             fit: Fit::default(),
         }
+    }
+}
+
+/// A probability learned from outcomes: the running average of its first ones (the prior counted as
+/// [`PRIOR_OUTCOMES`]), then an exponentially weighted one (gain [`ACCEPT_GAIN`]).
+#[derive(Clone, Copy, Debug, Serialize)]
+#[serde(into = "f64")]
+struct Rate {
+    value: f64,
+    outcomes: u32,
+}
+
+impl Rate {
+    const fn prior(value: f64) -> Self {
+        Self { value, outcomes: 0 }
+    }
+
+    fn learn(&mut self, outcome: f64) {
+        let gain = (1.0 / (f64::from(self.outcomes) + 1.0 + PRIOR_OUTCOMES)).max(ACCEPT_GAIN);
+        self.outcomes = self.outcomes.saturating_add(1);
+        ew(&mut self.value, outcome, gain);
+    }
+}
+
+impl From<Rate> for f64 {
+    fn from(rate: Rate) -> f64 {
+        rate.value
     }
 }
 
@@ -159,7 +191,7 @@ fn bucket(c: f32) -> Option<usize> {
 impl Estimates {
     /// `alpha_i`, the acceptance of draft position `i` given all before it were accepted.
     pub fn alpha(&self, i: usize) -> f64 {
-        self.alpha.get(i).or(self.alpha.last()).copied().unwrap_or(ALPHA_PRIOR)
+        self.alpha.get(i).or(self.alpha.last()).map_or(ALPHA_PRIOR, |rate| rate.value)
     }
 
     /// Estimated acceptance of a draft at `position` that the draft model gave probability `confidence`:
@@ -169,7 +201,7 @@ impl Estimates {
     pub fn acceptance_at(&self, position: usize, confidence: f32) -> f64 {
         let alpha = self.alpha(position);
         match bucket(confidence) {
-            Some(k) if self.any_confidence > 0.0 => (alpha * self.by_confidence[k] / self.any_confidence).clamp(0.0, 1.0),
+            Some(k) if self.any_confidence.value > 0.0 => (alpha * self.by_confidence[k].value / self.any_confidence.value).clamp(0.0, 1.0),
             _ => alpha,
         }
     }
@@ -205,7 +237,7 @@ impl Estimates {
         if !overlap {
             return miss.max(MIN_ROUND_S);
         }
-        let p_hit = all_accepted * self.beta;
+        let p_hit = all_accepted * self.beta.value;
         let hit = call.max(self.t_start_s + (d + 1) as f64 * self.t_draft_s);
         (p_hit * hit + (1.0 - p_hit) * miss).max(MIN_ROUND_S)
     }
@@ -228,14 +260,14 @@ impl Estimates {
             expected_tokens: best_e,
             round_time_s: best_t,
             tokens_per_s: best_e / best_t,
-            p_hit: if overlap && best > 0 { best_p * self.beta } else { 0.0 },
+            p_hit: if overlap && best > 0 { best_p * self.beta.value } else { 0.0 },
             overlap,
             rtt_s: self.rtt_s,
             t_draft_s: self.t_draft_s,
             t_start_s: self.t_start_s,
             verify_a_s: self.verify_a_s,
             verify_b_s: self.verify_b_s,
-            beta: self.beta,
+            beta: self.beta.value,
             alpha: (0..max_draft).map(|i| self.alpha(i)).collect(),
         }
     }
@@ -246,29 +278,20 @@ impl Estimates {
         // Positions before the first rejection were accepted, the first rejection was rejected, the rest unseen.
         for i in 0..round.drafted.min(accepted.saturating_add(1)).min(MAX_POSITIONS) {
             let outcome = if i < accepted { 1.0 } else { 0.0 };
-            if self.alpha.len() <= i {
-                let seed = self.alpha(i);
-                self.alpha.resize(i + 1, seed);
-            }
-            ew(&mut self.alpha[i], outcome, ACCEPT_GAIN);
+            self.position(i).learn(outcome);
             if let Some(k) = round.confidences.get(i).copied().and_then(bucket) {
-                ew(&mut self.by_confidence[k], outcome, ACCEPT_GAIN);
-                ew(&mut self.any_confidence, outcome, ACCEPT_GAIN);
+                self.by_confidence[k].learn(outcome);
+                self.any_confidence.learn(outcome);
             }
         }
         if let Some(matched) = round.ahead_guess.filter(|_| accepted == round.drafted) {
             let outcome = if matched { 1.0 } else { 0.0 };
-            ew(&mut self.beta, outcome, ACCEPT_GAIN);
+            self.beta.learn(outcome);
             // The guess is what the draft would have drafted at position `drafted`, so it is also a sample
             // of that position's acceptance: exact under greedy decoding (accepted iff equal), a
             // conservative proxy when sampling (sum p*q instead of sum min(p, q)). Without it a length,
             // once chosen, would never see evidence that a longer one pays (0 included: the probe).
-            let d = round.drafted.min(MAX_POSITIONS - 1);
-            if self.alpha.len() <= d {
-                let seed = self.alpha(d);
-                self.alpha.resize(d + 1, seed);
-            }
-            ew(&mut self.alpha[d], outcome, ACCEPT_GAIN);
+            self.position(round.drafted.min(MAX_POSITIONS - 1)).learn(outcome);
         }
         // Timing samples: zero means "not measured", and past MAX_SAMPLE_S or MAX_POSITIONS drafts it is not a round we model.
         let sample = |t: Duration| Some(t.as_secs_f64()).filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS);
@@ -288,6 +311,16 @@ impl Estimates {
             ew(&mut self.rtt_s, (latency_s - compute).max(0.0), TIME_GAIN);
         }
         self.rounds += 1;
+    }
+
+    /// The acceptance rate of draft position `i`; a position not seen yet starts as a copy of the last one
+    /// (its value as a prior: the outcomes behind it were not about this position).
+    fn position(&mut self, i: usize) -> &mut Rate {
+        if self.alpha.len() <= i {
+            let seed = Rate::prior(self.alpha(i));
+            self.alpha.resize(i + 1, seed);
+        }
+        &mut self.alpha[i]
     }
 
     /// Adds `(rows, seconds)` to the decayed least-squares fit of `V` and refits `a, b >= 0`.
@@ -445,7 +478,7 @@ mod tests {
     /// Estimates with flat acceptance `alpha` and the given costs in milliseconds.
     fn est(alpha: f64, t_draft_ms: f64, rtt_ms: f64, a_ms: f64, b_ms: f64) -> Estimates {
         let (t_draft_s, rtt_s, verify_a_s, verify_b_s) = (t_draft_ms * MS, rtt_ms * MS, a_ms * MS, b_ms * MS);
-        Estimates { alpha: vec![alpha], t_draft_s, t_start_s: 0.0, rtt_s, verify_a_s, verify_b_s, ..Estimates::default() }
+        Estimates { alpha: vec![Rate::prior(alpha)], t_draft_s, t_start_s: 0.0, rtt_s, verify_a_s, verify_b_s, ..Estimates::default() }
     }
 
     fn close(x: f64, want: f64) -> bool {
@@ -454,7 +487,7 @@ mod tests {
 
     #[test]
     fn expected_tokens_and_round_time_match_hand_computed_values() {
-        let e = Estimates { alpha: vec![0.9, 0.8, 0.5], beta: 0.6, ..est(0.0, 30.0, 50.0, 80.0, 8.0) };
+        let e = Estimates { alpha: [0.9, 0.8, 0.5].map(Rate::prior).to_vec(), beta: Rate::prior(0.6), ..est(0.0, 30.0, 50.0, 80.0, 8.0) };
         let tokens: Vec<f64> = (0..=3).map(|d| e.expected_tokens(d)).collect();
         assert!(tokens.iter().zip([1.0, 1.9, 2.62, 2.98]).all(|(&x, want)| close(x, want)), "{tokens:?}");
         assert!(close(e.round_time(0, true), 0.138) && close(e.round_time(0, false), 0.138));
@@ -564,6 +597,29 @@ mod tests {
     }
 
     #[test]
+    fn a_fresh_gateway_learns_a_texts_acceptance_within_a_few_rounds() {
+        let mut e = Estimates::default();
+        let accepted = RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() };
+        for _ in 0..4 {
+            e.observe(&accepted);
+        }
+        // The prior counts as two outcomes: 0.7 -> 0.8 -> 0.85 -> 0.88 -> 0.9 (a constant 0.15 gain: 0.84);
+        // beta from 0.6 to 0.87. Later positions start from the one before as it was then, so they lead.
+        assert!((e.alpha(0) - 0.9).abs() < 1e-9 && (e.beta.value - 0.6 - 0.4 * 2.0 / 3.0).abs() < 1e-9, "{e:?}");
+        assert!(e.alpha(2) > e.alpha(1) && e.alpha(1) > e.alpha(0), "{e:?}");
+        // Past the first outcomes a rate moves at the constant gain, so a late miss is one outcome among many.
+        for _ in 0..20 {
+            e.observe(&accepted);
+        }
+        let before = (e.alpha(0), e.alpha(1));
+        e.observe(&RoundObservation { drafted: 2, accepted: 0, ..Default::default() });
+        assert!((e.alpha(0) - before.0 * (1.0 - ACCEPT_GAIN)).abs() < 1e-9 && e.alpha(1) == before.1, "{e:?}");
+        // A position first reached starts from the last one's value, as a prior.
+        e.observe(&RoundObservation { drafted: 4, accepted: 4, ..Default::default() });
+        assert!(e.alpha.len() == 4 && e.alpha[3].outcomes == 1 && e.alpha(3) > e.alpha(2), "{e:?}");
+    }
+
+    #[test]
     fn one_slow_block_moves_the_drafting_times_a_bounded_step() {
         let mut e = Estimates::default();
         let slow = RoundObservation { drafted: 2, draft_step: Duration::from_secs(2), draft_start: Duration::from_secs(3), ..Default::default() };
@@ -612,7 +668,7 @@ mod tests {
         for rtt in [0.0, 20.0, 50.0, 100.0, 200.0] {
             for overlap in [false, true] {
                 let mut e = est(0.8, 30.0, rtt, 60.0, 35.0);
-                (e.by_confidence, e.any_confidence) = ([1.0; BUCKETS], 1.0);
+                (e.by_confidence, e.any_confidence) = ([Rate::prior(1.0); BUCKETS], Rate::prior(1.0));
                 let mut ctl = DraftController::new(8, overlap, e);
                 let d = ctl.choose();
                 let mut block = BlockOdds::default();
@@ -660,8 +716,16 @@ mod tests {
                 e / time
             };
             let want = (0..=max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best });
-            let estimates =
-                Estimates { alpha: alpha.clone(), beta, t_draft_s: t, t_start_s: start, rtt_s: rtt, verify_a_s: a, verify_b_s: b, ..Estimates::default() };
+            let estimates = Estimates {
+                alpha: alpha.iter().copied().map(Rate::prior).collect(),
+                beta: Rate::prior(beta),
+                t_draft_s: t,
+                t_start_s: start,
+                rtt_s: rtt,
+                verify_a_s: a,
+                verify_b_s: b,
+                ..Estimates::default()
+            };
             let mut ctl = DraftController::new(max, overlap, estimates);
             assert_eq!(ctl.choose(), want, "case {case}");
             assert!((ctl.choice().tokens_per_s - rate(want)).abs() < 1e-9 * rate(want), "case {case}");

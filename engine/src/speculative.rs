@@ -254,6 +254,18 @@ pub async fn run(
         if !prefilled {
             pacing.observe(&observation(&drafts, verified.accepted, timing, latency, verified.verifier_time, guess_matched));
         }
+        // One line per round (`--log spade_engine=debug`): what auto chose and what came of it.
+        tracing::debug!(
+            chosen = d,
+            drafted = drafts.len(),
+            accepted = verified.accepted,
+            from_ahead,
+            guess_matched,
+            draft_step_ms = timing.step.as_millis() as u64,
+            call_ms = latency.as_millis() as u64,
+            verifier_ms = verified.verifier_time.unwrap_or_default().as_millis() as u64,
+            "round"
+        );
         if let Some(finish) = state.commit_block(&drafts, &verified).await? {
             return Ok(state.end(finish, &pacing));
         }
