@@ -22,7 +22,8 @@
 //! learns whether a longer one would pay.
 //!
 //! Each round picks the `d` in `0..=max` that maximises `E(d) / T(d)`, committed tokens per second (ties go
-//! to the smaller `d`): a long link makes every call expensive, so more drafts per call pay; a cheap link
+//! to the smaller `d`; with draft-ahead, `d = 0` is charged what it costs the next round, which then drafts
+//! its block after its call instead of during this one): a long link makes every call expensive, so more drafts per call pay; a cheap link
 //! or a draft that is rarely accepted makes them waste draft and verifier time. Within a block,
 //! [`DraftController::keep_drafting`] stops early when the draft's own confidence says the rest is unlikely
 //! to be accepted: with the acceptance of the tokens drafted so far estimated from their confidence, it
@@ -237,15 +238,25 @@ impl Estimates {
         if !overlap {
             return miss.max(MIN_ROUND_S);
         }
-        let p_hit = all_accepted * self.beta.value;
+        (miss - self.overlap_gain(d, all_accepted)).max(MIN_ROUND_S)
+    }
+
+    /// What drafting ahead saves a round of `d > 0` on average: `P_hit(d) * (miss - hit)`.
+    fn overlap_gain(&self, d: usize, all_accepted: f64) -> f64 {
+        let call = self.rtt_s + self.verify_time(d + 1);
+        let miss = self.t_start_s + d as f64 * self.t_draft_s + call;
         let hit = call.max(self.t_start_s + (d + 1) as f64 * self.t_draft_s);
-        (p_hit * hit + (1.0 - p_hit) * miss).max(MIN_ROUND_S)
+        all_accepted * self.beta.value * (miss - hit)
     }
 
     /// The `d` in `0..=max_draft` with the highest `E(d) / T(d)` (the smallest on ties), with its inputs.
+    ///
+    /// With draft-ahead, a round of 0 also costs the round after it what drafting ahead would have saved
+    /// it (nothing is drafted ahead during a round of 0, so the next block is drafted after the call):
+    /// `d = 0` is weighed against the best `d > 0` with that block's overlap gain added to its time.
     fn best(&self, max_draft: usize, overlap: bool) -> DraftChoice {
         let max_draft = max_draft.min(MAX_POSITIONS);
-        let (mut best, mut best_e, mut best_t, mut best_p) = (0, 1.0, self.round_time_given(0, 1.0, overlap), 1.0);
+        let (mut best, mut best_e, mut best_t, mut best_p) = (0, 0.0, f64::INFINITY, 1.0);
         let (mut e, mut all_accepted) = (1.0, 1.0);
         for d in 1..=max_draft {
             all_accepted *= self.alpha(d - 1);
@@ -254,6 +265,11 @@ impl Estimates {
             if e / t > best_e / best_t {
                 (best, best_e, best_t, best_p) = (d, e, t, all_accepted);
             }
+        }
+        let lost = if overlap && best > 0 { self.overlap_gain(best, best_p) } else { 0.0 };
+        let zero_t = self.round_time_given(0, 1.0, overlap) + lost;
+        if 1.0 / zero_t >= best_e / best_t {
+            (best, best_e, best_t, best_p) = (0, 1.0, zero_t, 1.0);
         }
         DraftChoice {
             draft: best,
@@ -356,7 +372,7 @@ pub struct DraftChoice {
     pub draft: usize,
     /// `E(draft)`: expected committed tokens per round.
     pub expected_tokens: f64,
-    /// `T(draft)`: expected round time.
+    /// `T(draft)`: expected round time (for 0 with draft-ahead, with what the next round loses by it).
     pub round_time_s: f64,
     /// `E / T`, expected committed tokens per second.
     pub tokens_per_s: f64,
@@ -521,6 +537,18 @@ mod tests {
         // Hand-computed without overlap: d = 2 at 0 ms (12.84 tok/s vs 12.83 at d = 3), d = 5 at 200 ms.
         assert_eq!(DraftController::new(32, false, est(0.8, 30.0, 0.0, 100.0, 10.0)).choose(), 2);
         assert_eq!(DraftController::new(32, false, est(0.8, 30.0, 200.0, 100.0, 10.0)).choose(), 5);
+    }
+
+    #[test]
+    fn a_round_of_zero_pays_for_the_overlap_it_breaks() {
+        // Inputs a gateway had after three noisy verifier samples (V(1) = 105 ms, ~0.2 s measured).
+        let e = Estimates { t_start_s: 0.089, beta: Rate::prior(0.7), ..est(0.9, 76.0, 23.0, 0.0, 105.0) };
+        // Alone a round of 0 looks fastest: 1 token in 128 ms (7.8/s) against d = 2's 2.71 in 442 ms (6.1/s).
+        assert_eq!(DraftController::new(8, false, e.clone()).choose(), 0);
+        assert!(e.expected_tokens(2) / e.round_time(2, true) < 1.0 / e.round_time(0, true));
+        // But the round after it drafts its block after the call instead of during it.
+        let mut ctl = DraftController::new(8, true, e);
+        assert!(ctl.choose() > 0, "{:?}", ctl.choice());
     }
 
     #[test]
@@ -708,14 +736,25 @@ mod tests {
                 rng.random_range(0.0..0.03),
                 rng.random_bool(0.5),
             );
-            let rate = |d: usize| {
-                let e: f64 = (0..=d).map(|j| alpha[..j].iter().product::<f64>()).sum();
+            // (round time, what drafting ahead saves it) for d > 0.
+            let timing = |d: usize| {
                 let (v, all) = (a + b * (d + 1) as f64, alpha[..d].iter().product::<f64>());
-                let miss = if d == 0 { rtt + v } else { start + d as f64 * t + rtt + v };
-                let time = if d == 0 || !overlap { miss } else { all * beta * (rtt + v).max(start + (d + 1) as f64 * t) + (1.0 - all * beta) * miss };
-                e / time
+                let miss = start + d as f64 * t + rtt + v;
+                let saved = if overlap { all * beta * (miss - (rtt + v).max(start + (d + 1) as f64 * t)) } else { 0.0 };
+                (miss - saved, saved)
             };
-            let want = (0..=max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best });
+            let tokens = |d: usize| (0..=d).map(|j| alpha[..j].iter().product::<f64>()).sum::<f64>();
+            let best_drafting = (1..=max).fold(None, |best: Option<usize>, d| match best {
+                Some(b) if tokens(d) / timing(d).0 <= tokens(b) / timing(b).0 => Some(b),
+                _ => Some(d),
+            });
+            // A round of 0 also costs the next round its overlap.
+            let zero_rate = 1.0 / (rtt + a + b + best_drafting.map_or(0.0, |d| timing(d).1));
+            let rate = |d: usize| if d == 0 { zero_rate } else { tokens(d) / timing(d).0 };
+            let want = match best_drafting {
+                Some(d) if rate(d) > zero_rate => d,
+                _ => 0,
+            };
             let estimates = Estimates {
                 alpha: alpha.iter().copied().map(Rate::prior).collect(),
                 beta: Rate::prior(beta),
