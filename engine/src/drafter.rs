@@ -75,6 +75,8 @@ pub struct MistralDrafter {
     options: DrafterOptions,
     /// Generations between begin_generation and end_generation.
     active: AtomicUsize,
+    /// Draft streams alive: blocks someone is still drafting or waiting to draft.
+    drafting: Arc<AtomicUsize>,
     /// Resident memory once loaded, the base of `cache_budget_bytes`.
     baseline_rss: Option<usize>,
     vocabulary: LazyVocabulary,
@@ -116,6 +118,7 @@ impl MistralDrafter {
             runner,
             options,
             active: Default::default(),
+            drafting: Default::default(),
             baseline_rss: resident_bytes(),
             vocabulary: LazyVocabulary::new(&path),
         })
@@ -432,7 +435,27 @@ impl Drafter for MistralDrafter {
             }
             let _ = tokens.send(DraftMessage::End(result));
         });
-        Ok(stream.holding(Box::new(runner)))
+        Ok(stream.holding(Box::new((runner, Alive::count(&self.drafting)))))
+    }
+
+    fn others_drafting(&self) -> bool {
+        self.drafting.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// Counts a draft stream as alive until it is dropped.
+struct Alive(Arc<AtomicUsize>);
+
+impl Alive {
+    fn count(counter: &Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

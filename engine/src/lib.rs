@@ -99,6 +99,12 @@ pub trait Drafter: Send + Sync {
         Ok(DraftStream::ready(self.draft(committed, n, params).await?))
     }
 
+    /// Whether blocks are being drafted (or wait to be) when the caller has none open: other
+    /// generations' drafting, which drafting ahead now would delay on a drafter that runs one block at a time.
+    fn others_drafting(&self) -> bool {
+        false
+    }
+
     /// Makes drafting after `context` cheap (its KV rows cached) without proposing anything. The loop
     /// runs it while the verifier prefills the same prompt. By default: a one-token draft, discarded
     /// (a prefill and one sampling step; draft randomness is keyed by position, so nothing shifts).

@@ -194,11 +194,14 @@ pub async fn run(
 
         // Draft ahead during the call: a guess for the token after the block, then the next block. When
         // the next block is to be empty (`auto` chose 0), the guess alone still probes the draft's acceptance.
+        // Not while other generations draft: drafting that may be thrown away must not delay theirs.
         let after = remaining.saturating_sub(drafts.len() + 1);
         let next_d = if after > 1 { pacing.choose().min(after - 1) } else { 0 };
         let mut context = Vec::new();
         let mut next = match drafter {
-            Some(drafter) if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(&drafts, params) => {
+            Some(drafter)
+                if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(&drafts, params) && !drafter.others_drafting() =>
+            {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
                 Some(Block::start(drafter, &context, next_d, true, &params.draft).await?)
@@ -261,6 +264,7 @@ pub async fn run(
             accepted = verified.accepted,
             from_ahead,
             guess_matched,
+            draft_start_ms = timing.start.as_millis() as u64,
             draft_step_ms = timing.step.as_millis() as u64,
             call_ms = latency.as_millis() as u64,
             verifier_ms = verified.verifier_time.unwrap_or_default().as_millis() as u64,
@@ -604,5 +608,33 @@ mod tests {
             };
             assert_eq!(stats.ahead_used, expected_used, "accept {accept}, offset {offset}: {stats:?}");
         }
+    }
+
+    /// [`Counting`] on a drafter that other generations keep busy.
+    struct Crowded(Counting);
+
+    #[async_trait::async_trait]
+    impl Drafter for Crowded {
+        fn meta(&self) -> &ModelMeta {
+            self.0.meta()
+        }
+        async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+            self.0.draft(committed, n, params).await
+        }
+        fn others_drafting(&self) -> bool {
+            true
+        }
+    }
+
+    #[tokio::test]
+    async fn no_drafting_ahead_while_other_generations_draft() {
+        let params = LoopParams { draft_ahead: true, ..params(30, 4, WhenUnreachable::Fail) };
+        let (mut alone, mut crowded) = (scripted(10, usize::MAX), scripted(10, usize::MAX));
+        let (mut alone_out, mut crowded_out) = (Collect::default(), Collect::default());
+        let alone_end = run(Some(&Counting(meta())), &mut alone, &[1, 2, 3], &params, &mut alone_out).await.unwrap();
+        let crowded_end = run(Some(&Crowded(Counting(meta()))), &mut crowded, &[1, 2, 3], &params, &mut crowded_out).await.unwrap();
+        assert!(alone_end.stats.ahead_drafted > 0);
+        assert_eq!(crowded_end.stats.ahead_drafted, 0);
+        assert_eq!((crowded_out.0, crowded.blocks), (alone_out.0, alone.blocks));
     }
 }
