@@ -23,16 +23,18 @@
 //!
 //! Each round picks the `d` in `0..=max` that maximises `E(d) / T(d)`, committed tokens per second (ties go
 //! to the smaller `d`; with draft-ahead, `d = 0` is charged what it costs the next round, which then drafts
-//! its block after its call instead of during this one): a long link makes every call expensive, so more drafts per call pay; a cheap link
-//! or a draft that is rarely accepted makes them waste draft and verifier time. Within a block,
+//! its block after its call instead of during this one): a long link makes every call expensive, so more
+//! drafts per call pay; a cheap link or a draft that is rarely accepted makes them waste draft and verifier
+//! time. Within a block,
 //! [`DraftController::keep_drafting`] stops early when the draft's own confidence says the rest is unlikely
 //! to be accepted: with the acceptance of the tokens drafted so far estimated from their confidence, it
 //! goes on only while some longer block (up to the chosen `d`) has a higher expected `E / T` than ending here.
 //!
 //! All inputs are exponentially weighted online estimates ([`Estimates`]), so they follow drift (a route
 //! change moving the RTT from 20 to 150 ms) within a few rounds; acceptance rates average their first
-//! outcomes with their prior instead, so a fresh gateway leaves its priors within a few rounds too. The gateway keeps one gateway-wide instance,
-//! clones it into each generation's [`DraftController`] and feeds it every generation's observations too.
+//! outcomes with their prior instead, so a fresh gateway leaves its priors within a few rounds too. The
+//! gateway keeps one gateway-wide instance, clones it into each generation's [`DraftController`] and feeds
+//! it every generation's observations too.
 
 use std::time::Duration;
 
