@@ -207,28 +207,26 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
     let joining = target.batcher.admit(guard.score.as_ref(), &tokens, drafted + 1)?;
     // The grammar is brought to the context before scoring, so a bad one costs no forward pass. A full
-    // context starts the session over, with its grammar or none.
-    let mut guard = guard;
-    if context_start == 0 {
+    // context starts the session over, with its grammar or none; only grammar work needs the blocking pool.
+    let grammar = grammar.filter(|_| context_start == 0);
+    let (guard, context) = if grammar.is_none() && (context_start == 0 || guard.grammar.is_none()) {
+        let mut guard = guard;
         guard.grammar = None;
-    }
-    let (guard, context) = match grammar.filter(|_| context_start == 0) {
-        None if guard.grammar.is_none() => (guard, context),
-        grammar => {
-            let scorer = target.scorer.clone();
-            blocking(move || {
-                if let Some(g) = grammar {
-                    let vocabulary =
-                        scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
-                    guard.grammar = Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize));
-                }
-                if let Some(state) = &mut guard.grammar {
-                    state.sync(&context)?;
-                }
-                Ok((guard, context))
-            })
-            .await?
-        }
+        (guard, context)
+    } else {
+        let scorer = target.scorer.clone();
+        blocking(move || {
+            let mut guard = guard;
+            if let Some(g) = grammar {
+                let vocabulary = scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
+                guard.grammar = Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize));
+            }
+            if let Some(state) = &mut guard.grammar {
+                state.sync(&context)?;
+            }
+            Ok((guard, context))
+        })
+        .await?
     };
 
     let scored = target.batcher.score(joining, guard, tokens, drafted + 1).await?;
