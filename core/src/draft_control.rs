@@ -232,21 +232,24 @@ impl Estimates {
 
     /// `T(d)` given `all_accepted = prod_{i<d} alpha_i`.
     fn round_time_given(&self, d: usize, all_accepted: f64, overlap: bool) -> f64 {
+        let (call, miss) = self.call_and_miss(d);
+        let time = match (d, overlap) {
+            (0, _) => call,
+            (_, false) => miss,
+            (_, true) => miss - self.overlap_gain(d, all_accepted),
+        };
+        time.max(MIN_ROUND_S)
+    }
+
+    /// The call of a round of `d` (`rtt + V(d+1)`), and the round without draft-ahead (drafting, then the call).
+    fn call_and_miss(&self, d: usize) -> (f64, f64) {
         let call = self.rtt_s + self.verify_time(d + 1);
-        if d == 0 {
-            return call.max(MIN_ROUND_S);
-        }
-        let miss = self.t_start_s + d as f64 * self.t_draft_s + call;
-        if !overlap {
-            return miss.max(MIN_ROUND_S);
-        }
-        (miss - self.overlap_gain(d, all_accepted)).max(MIN_ROUND_S)
+        (call, self.t_start_s + d as f64 * self.t_draft_s + call)
     }
 
     /// What drafting ahead saves a round of `d > 0` on average: `P_hit(d) * (miss - hit)`.
     fn overlap_gain(&self, d: usize, all_accepted: f64) -> f64 {
-        let call = self.rtt_s + self.verify_time(d + 1);
-        let miss = self.t_start_s + d as f64 * self.t_draft_s + call;
+        let (call, miss) = self.call_and_miss(d);
         let hit = call.max(self.t_start_s + (d + 1) as f64 * self.t_draft_s);
         all_accepted * self.beta.value * (miss - hit)
     }
