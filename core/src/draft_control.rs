@@ -78,7 +78,8 @@ pub struct RoundObservation {
     pub drafted: usize,
     /// Leading drafts the verifier accepted (clamped to `drafted`).
     pub accepted: usize,
-    /// `q(token)` of each drafted token, as drawn; missing or NaN entries are not learned from.
+    /// The draft's confidence in each drafted token ([`crate::sampling::confidence`]: `q(token)`, or its
+    /// softmax probability under greedy decoding); missing or NaN entries are not learned from.
     pub confidences: Vec<f32>,
     /// The draft model's time per token in this block, between its first and last token; zero: not measured.
     pub draft_step: Duration,
@@ -199,7 +200,8 @@ impl Estimates {
 
     /// Estimated acceptance of a draft at `position` that the draft model gave probability `confidence`:
     /// `alpha_position`, scaled by how much more or less often drafts of that confidence are accepted than
-    /// drafts in general. Under greedy decoding every confidence is 1 and this is just `alpha_position`.
+    /// drafts in general. Under greedy decoding the confidence is the draft's softmax probability of its
+    /// argmax ([`crate::sampling::confidence`]), not q's point mass.
     /// NaN: no information.
     pub fn acceptance_at(&self, position: usize, confidence: f32) -> f64 {
         let alpha = self.alpha(position);
@@ -687,10 +689,10 @@ mod tests {
     }
 
     #[test]
-    fn greedy_confidences_defer_to_acceptance_by_position() {
+    fn equal_confidences_defer_to_acceptance_by_position() {
         let mut e = Estimates::default();
         for _ in 0..40 {
-            // Greedy drafts: q is a point mass, every confidence is 1. Position 0 always accepted, position 1 never.
+            // Every confidence the same (as under greedy decoding without a softmax). Position 0 always accepted, position 1 never.
             e.observe(&RoundObservation { drafted: 2, accepted: 1, confidences: vec![1.0, 1.0], ..Default::default() });
         }
         assert!(e.acceptance_at(0, 1.0) > 0.99 && e.acceptance_at(1, 1.0) < 0.01, "{e:?}");

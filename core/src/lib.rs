@@ -37,6 +37,6 @@ pub use dist::{DistError, SparseDist};
 pub use error::{ErrorBody, ErrorDetail};
 pub use metrics::Histogram;
 pub use penalties::{History, Penalties};
-pub use sampling::{distribution, SamplingError, SamplingParams};
+pub use sampling::{confidence, distribution, SamplingError, SamplingParams};
 pub use text::{IncrementalDecoder, StopMatcher, StopStep};
 pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};

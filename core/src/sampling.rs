@@ -180,9 +180,38 @@ pub fn distribution(logits: &[f32], params: &SamplingParams) -> Result<SparseDis
     Ok(SparseDist::from_weights(weights))
 }
 
+/// How sure the draft was of `token`, which it drew from `q` over `logits`: its probability under `q`,
+/// or, when `q` puts all its mass on it (greedy decoding, `top_k` 1), under the softmax of `logits` at
+/// temperature 1. A point mass says nothing about how likely the target is to agree, the softmax does:
+/// the draft-length control stops a block early on an unsure token under greedy decoding too.
+pub fn confidence(logits: &[f32], q: &SparseDist, token: u32) -> f32 {
+    let p = q.prob(token);
+    if p < 1.0 {
+        return p as f32;
+    }
+    let Some(&at) = logits.get(token as usize).filter(|l| l.is_finite()) else { return 1.0 };
+    let max = logits.iter().copied().filter(|l| l.is_finite()).fold(at, f32::max);
+    let total: f64 = logits.iter().filter(|l| l.is_finite()).map(|&l| f64::from((l - max).exp())).sum();
+    (f64::from((at - max).exp()) / total) as f32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn confidence_is_q_or_under_a_point_mass_the_softmax() {
+        let logits = [2.0f32, 1.0, f32::NEG_INFINITY, 0.0];
+        let sampled = distribution(&logits, &params(1.0, 0, 1.0, 0.0)).unwrap();
+        assert_eq!(confidence(&logits, &sampled, 1), sampled.prob(1) as f32);
+        let greedy = distribution(&logits, &SamplingParams::greedy()).unwrap();
+        let e = |x: f32| x.exp();
+        let softmax = e(0.0) / (e(0.0) + e(-1.0) + e(-2.0));
+        assert!((confidence(&logits, &greedy, 0) - softmax).abs() < 1e-6);
+        // Not a token of the logits (a forced token): no information beyond q.
+        assert_eq!(confidence(&logits, &SparseDist::point(2), 2), 1.0);
+        assert_eq!(confidence(&logits, &SparseDist::point(9), 9), 1.0);
+    }
 
     #[test]
     fn draft_sampling_caps_top_k_only() {

@@ -6,10 +6,20 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::{DraftToken, EngineError};
 
-/// What a drafting engine sends: each token with when it was drawn, then how the drafting ended.
+/// A drafted token as the drafting engine hands it over.
+#[derive(Debug)]
+pub struct Drawn {
+    pub token: DraftToken,
+    /// How sure the draft was of it ([`spade_core::confidence`]).
+    pub confidence: f32,
+    /// When the draft model drew it: the draft's own pace, whenever the receiver gets around to reading it.
+    pub at: Instant,
+}
+
+/// What a drafting engine sends: each token as drawn, then how the drafting ended.
 #[derive(Debug)]
 pub enum DraftMessage {
-    Token(DraftToken, Instant),
+    Token(Drawn),
     End(Result<(), EngineError>),
 }
 
@@ -20,8 +30,6 @@ pub struct DraftStream<'a> {
     /// Tokens still wanted; an end-of-sequence token ends the block early.
     left: usize,
     stop_token_ids: Vec<u32>,
-    /// When the last token handed over was drawn.
-    last_drawn: Option<Instant>,
     /// Whatever must live as long as the drafting does (a lock on the engine it runs on).
     _hold: Option<Box<dyn Send + Sync + 'a>>,
 }
@@ -31,7 +39,7 @@ impl<'a> DraftStream<'a> {
     /// an [`DraftMessage::End`].
     pub fn channel(n: usize, stop_token_ids: Vec<u32>) -> (UnboundedSender<DraftMessage>, Self) {
         let (tx, messages) = unbounded_channel();
-        (tx, Self { messages, left: n, stop_token_ids, last_drawn: None, _hold: None })
+        (tx, Self { messages, left: n, stop_token_ids, _hold: None })
     }
 
     /// Keeps `hold` alive as long as the stream.
@@ -39,30 +47,30 @@ impl<'a> DraftStream<'a> {
         Self { _hold: Some(hold), ..self }
     }
 
-    /// Tokens drafted all at once.
+    /// Tokens drafted all at once, each as sure as its q says.
     pub fn ready(tokens: Vec<DraftToken>) -> Self {
         let (tx, stream) = Self::channel(tokens.len(), Vec::new());
-        let drawn = Instant::now();
+        let at = Instant::now();
         for token in tokens {
-            let _ = tx.send(DraftMessage::Token(token, drawn));
+            let confidence = token.q.prob(token.token) as f32;
+            let _ = tx.send(DraftMessage::Token(Drawn { token, confidence, at }));
         }
         let _ = tx.send(DraftMessage::End(Ok(())));
         stream
     }
 
     /// The next drafted token; None once the block is complete.
-    pub async fn next(&mut self) -> Option<Result<DraftToken, EngineError>> {
+    pub async fn next(&mut self) -> Option<Result<Drawn, EngineError>> {
         if self.left == 0 {
             return None;
         }
         match self.messages.recv().await {
-            Some(DraftMessage::Token(token, drawn)) => {
+            Some(DraftMessage::Token(drawn)) => {
                 self.left -= 1;
-                self.last_drawn = Some(drawn);
-                if self.stop_token_ids.contains(&token.token) {
+                if self.stop_token_ids.contains(&drawn.token.token) {
                     self.left = 0;
                 }
-                Some(Ok(token))
+                Some(Ok(drawn))
             }
             Some(DraftMessage::End(Ok(()))) => {
                 self.left = 0;
@@ -79,17 +87,11 @@ impl<'a> DraftStream<'a> {
         }
     }
 
-    /// When the draft model drew the last token handed over: the draft's own pace, whenever the
-    /// receiver got around to reading it.
-    pub fn last_drawn(&self) -> Option<Instant> {
-        self.last_drawn
-    }
-
     /// The whole block.
     pub async fn collect(mut self) -> Result<Vec<DraftToken>, EngineError> {
         let mut tokens = Vec::new();
-        while let Some(token) = self.next().await {
-            tokens.push(token?);
+        while let Some(drawn) = self.next().await {
+            tokens.push(drawn?.token);
         }
         Ok(tokens)
     }

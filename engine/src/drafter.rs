@@ -26,12 +26,12 @@ use mistralrs::{CustomLogitsProcessor, Model, Tool};
 use rand::Rng;
 use spade_core::grammar::Vocabulary;
 use spade_core::rng::{rng_for, Stream};
-use spade_core::{distribution, DraftToken, History};
+use spade_core::{confidence, distribution, DraftToken, History};
 use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, LazyVocabulary, ModelMeta, ModelSource};
-use crate::{DraftMessage, DraftParams, DraftStream, Drafter, EngineError, Role, ToolSpec, Turn};
+use crate::{DraftMessage, DraftParams, DraftStream, Drafter, Drawn, EngineError, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {
@@ -343,7 +343,8 @@ impl CustomLogitsProcessor for Recorder {
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
         if step < self.n {
             // A closed channel means the stream was dropped: the token is simply not wanted.
-            let _ = self.tokens.send(DraftMessage::Token(DraftToken { token, q }, std::time::Instant::now()));
+            let confidence = confidence(&logits_vec, &q, token);
+            let _ = self.tokens.send(DraftMessage::Token(Drawn { token: DraftToken { token, q }, confidence, at: std::time::Instant::now() }));
         }
         force(token)
     }

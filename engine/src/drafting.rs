@@ -101,6 +101,8 @@ pub(crate) struct Block<'a> {
     /// None once the block is complete or its drafting was stopped.
     stream: Option<DraftStream<'a>>,
     tokens: Vec<DraftToken>,
+    /// How sure the draft was of each of `tokens`.
+    confidences: Vec<f32>,
     guess: bool,
     /// The guess was drawn by this stream and then removed (it is the verifier's token now).
     dropped_guess: bool,
@@ -131,6 +133,7 @@ impl<'a> Block<'a> {
         Ok(Self {
             stream: Some(stream),
             tokens: Vec::new(),
+            confidences: Vec::new(),
             guess,
             dropped_guess: false,
             cap,
@@ -153,15 +156,15 @@ impl<'a> Block<'a> {
             self.stream = None;
         }
         let Some(stream) = self.stream.as_mut() else { return Ok(false) };
-        let Some(token) = stream.next().await.transpose()? else {
+        let Some(drawn) = stream.next().await.transpose()? else {
             self.stream = None;
             return Ok(false);
         };
-        let confidence = token.q.prob(token.token) as f32;
-        self.tokens.push(token);
-        self.busy = stream.last_drawn().map_or_else(|| self.started.elapsed(), |drawn| drawn.saturating_duration_since(self.started));
+        self.tokens.push(drawn.token);
+        self.confidences.push(drawn.confidence);
+        self.busy = drawn.at.saturating_duration_since(self.started);
         self.first.get_or_insert(self.busy);
-        if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, confidence) {
+        if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, drawn.confidence) {
             self.stream = None;
         }
         Ok(self.stream.is_some())
@@ -204,6 +207,7 @@ impl<'a> Block<'a> {
     pub fn without_guess(mut self, cap: usize) -> Self {
         if self.guess && !self.tokens.is_empty() {
             self.tokens.remove(0);
+            self.confidences.remove(0);
             self.dropped_guess = true;
         }
         self.guess = false;
@@ -213,10 +217,11 @@ impl<'a> Block<'a> {
 
     /// Drafts the rest of the block (to its cap, an end-of-sequence token, or the pacing's stop) and
     /// returns its tokens, any beyond the cap dropped, with the draft model's pace over the whole stream.
-    pub async fn complete(mut self, pacing: &Pacing) -> Result<(Vec<DraftToken>, DraftTiming), EngineError> {
+    pub async fn complete(mut self, pacing: &Pacing) -> Result<Drafted, EngineError> {
         while self.pull(pacing).await? {}
         let pulled = self.tokens.len() + usize::from(self.dropped_guess);
         self.tokens.truncate(self.cap + usize::from(self.guess));
+        self.confidences.truncate(self.tokens.len());
         let timing = match self.first {
             Some(first) if pulled >= 2 => {
                 let step = self.busy.saturating_sub(first) / (pulled - 1) as u32;
@@ -224,25 +229,26 @@ impl<'a> Block<'a> {
             }
             _ => DraftTiming::default(),
         };
-        Ok((self.tokens, timing))
+        Ok(Drafted { tokens: self.tokens, confidences: self.confidences, timing })
     }
 }
 
+/// A completed block: its tokens, how sure the draft was of each, and the draft model's pace.
+#[derive(Debug, Default)]
+pub(crate) struct Drafted {
+    pub tokens: Vec<DraftToken>,
+    pub confidences: Vec<f32>,
+    pub timing: DraftTiming,
+}
+
 /// What a round observed, for the pacing.
-pub(crate) fn observation(
-    drafts: &[DraftToken],
-    accepted: usize,
-    timing: DraftTiming,
-    latency: Duration,
-    verifier: Option<Duration>,
-    guess: Option<bool>,
-) -> RoundObservation {
+pub(crate) fn observation(drafted: &Drafted, accepted: usize, latency: Duration, verifier: Option<Duration>, guess: Option<bool>) -> RoundObservation {
     RoundObservation {
-        drafted: drafts.len(),
+        drafted: drafted.tokens.len(),
         accepted,
-        confidences: drafts.iter().map(|d| d.q.prob(d.token) as f32).collect(),
-        draft_step: timing.step,
-        draft_start: timing.start,
+        confidences: drafted.confidences.clone(),
+        draft_step: drafted.timing.step,
+        draft_start: drafted.timing.start,
         call_latency: latency,
         verifier_time: verifier,
         ahead_guess: guess,

@@ -20,7 +20,7 @@ pub mod round;
 pub mod scorer;
 pub mod speculative;
 
-pub use draft_stream::{DraftMessage, DraftStream};
+pub use draft_stream::{DraftMessage, DraftStream, Drawn};
 #[cfg(feature = "drafter")]
 pub use drafter::MistralDrafter;
 pub use error::EngineError;

@@ -14,7 +14,7 @@ use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, Penalties, SamplingParams};
 
 pub use crate::drafting::DraftLength;
-use crate::drafting::{observation, Block, DraftTiming, Pacing};
+use crate::drafting::{observation, Block, Drafted, Pacing};
 use crate::round::{Round, TargetRule};
 use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
 
@@ -184,10 +184,11 @@ pub async fn run(
             (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
             _ => None,
         };
-        let (drafts, timing) = match block {
+        let drafted = match block {
             Some(block) => block.complete(&pacing).await?,
-            None => (Vec::new(), DraftTiming::default()),
+            None => Drafted::default(),
         };
+        let (drafts, timing) = (&drafted.tokens, drafted.timing);
         // A pre-drafted block counts as used when it sends drafts (an `auto` length of 0 sends none).
         state.stats.ahead_used += usize::from(from_ahead && !drafts.is_empty());
         state.stats.draft_time += round_started.elapsed();
@@ -200,7 +201,7 @@ pub async fn run(
         let mut context = Vec::new();
         let mut next = match drafter {
             Some(drafter)
-                if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(&drafts, params) && !drafter.others_drafting() =>
+                if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(drafts, params) && !drafter.others_drafting() =>
             {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
@@ -210,7 +211,7 @@ pub async fn run(
         };
         let call_started = Instant::now();
         let verified = {
-            let call = verifier.verify(&state.seq, &drafts);
+            let call = verifier.verify(&state.seq, drafts);
             match (next.as_mut(), drafter) {
                 (Some(next), _) => next.pull_while(call, &pacing).await,
                 // Without draft-ahead, the first call still overlaps the draft's prefill.
@@ -227,7 +228,7 @@ pub async fn run(
         };
         let latency = call_started.elapsed();
         let prefilled = std::mem::replace(&mut first, false);
-        let verified = match state.check(verified, &drafts)? {
+        let verified = match state.check(verified, drafts)? {
             Some(verified) => verified,
             None => continue,
         };
@@ -255,11 +256,15 @@ pub async fn run(
         }
         // The first call prefills the prompt: its time says nothing about a block's cost per round.
         if !prefilled {
-            pacing.observe(&observation(&drafts, verified.accepted, timing, latency, verified.verifier_time, guess_matched));
+            pacing.observe(&observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched));
         }
-        // One line per round (`--log spade_engine=debug`): what auto chose and what came of it.
+        // One line per round (`--log spade_engine=debug`): what auto chose, on which cost model, and what came of it.
+        let model = pacing.choice();
         tracing::debug!(
             chosen = d,
+            model_verify_a_ms = model.as_ref().map(|c| (c.verify_a_s * 1e3).round()),
+            model_verify_b_ms = model.as_ref().map(|c| (c.verify_b_s * 1e3).round()),
+            model_alpha0 = model.as_ref().and_then(|c| c.alpha.first().map(|a| (a * 100.0).round() / 100.0)),
             drafted = drafts.len(),
             accepted = verified.accepted,
             from_ahead,
@@ -270,7 +275,7 @@ pub async fn run(
             verifier_ms = verified.verifier_time.unwrap_or_default().as_millis() as u64,
             "round"
         );
-        if let Some(finish) = state.commit_block(&drafts, &verified).await? {
+        if let Some(finish) = state.commit_block(drafts, &verified).await? {
             return Ok(state.end(finish, &pacing));
         }
     }
