@@ -52,9 +52,11 @@ const ACCEPT_GAIN: f64 = 0.15;
 const PRIOR_OUTCOMES: f64 = 2.0;
 /// Weight of a new timing sample (RTT, draft step): links change abruptly, and 0.3 closes 97% of a step in 10 rounds.
 const TIME_GAIN: f64 = 0.3;
-/// Per-observation decay of the verifier-time fit's sums: slower than [`TIME_GAIN`] because a two-parameter
-/// fit needs a few distinct block sizes in its memory.
-const FIT_DECAY: f64 = 0.85;
+/// Per-observation decay of the verifier-time fit's sums (a memory of ~20 calls): slower than [`TIME_GAIN`]
+/// because a two-parameter fit needs a few distinct block sizes in its memory, and calls of one size vary
+/// by ±25% on a shared host; with 0.85 the per-row slope wandered between 40 and 100 ms in one generation
+/// (per-round log), and `examples/draft_control_sim.rs` gains 1-2% at every RTT from 0.95.
+const FIT_DECAY: f64 = 0.95;
 /// Pull of the fitted per-row time towards its previous value, in observations' weight. It makes the fit fall
 /// back to the previous (at first, prior) `b` when all remembered blocks have the same size, and is negligible otherwise.
 const FIT_RIDGE: f64 = 0.05;
