@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use spade_core::{distribution, verify_block, SamplingParams};
+use spade_core::{distribution, verify_block, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::DraftParams;
 use spade_engine::{Drafter, MistralDrafter, Role, Scorer};
@@ -107,4 +107,42 @@ async fn repeating_a_generation_is_served_from_the_cache() {
     let same = seq_a.iter().zip(&seq_b).take_while(|(a, b)| a == b).count() - prompt.len();
     println!("12 rounds on a {}-token prompt: first {first:?}, repeated {again:?}; the first {same} tokens agree", prompt.len());
     assert!(again.as_secs_f64() < 2.0 * first.as_secs_f64(), "the repeat re-ran the prompt: {again:?} vs {first:?}");
+}
+
+/// Under greedy decoding q is a point mass, so the confidence handed over beside each token is the
+/// draft's softmax probability of it instead, which the early stop of `--draft-len auto` learns from.
+/// Our scorer runs the same model with logits close to mistral.rs's (mean KL below 1e-2 nats,
+/// `agrees_with_mistralrs_raw_logits`): here the two softmax probabilities differed by 0.014 on average
+/// and 0.064 at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn greedy_drafts_carry_their_softmax_probability_as_confidence() {
+    let own = drafter(TINY, DrafterOptions::default()).await;
+    let prompt = own.encode_chat(&[(Role::User, PROMPTS[0].into())]).await.unwrap();
+    let params = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
+    own.begin_generation(false).await;
+    let mut stream = own.draft_stream(&prompt, 8, &params).await.unwrap();
+    let mut drawn = Vec::new();
+    while let Some(d) = stream.next().await {
+        drawn.push(d.unwrap());
+    }
+    drop(stream);
+    own.end_generation();
+    let tokens: Vec<u32> = drawn.iter().map(|d| d.token.token).collect();
+    let seq: Vec<u32> = prompt.iter().chain(&tokens).copied().collect();
+    let logits = scorer(TINY).new_session().score(&seq, tokens.len() + 1).unwrap();
+    let text = own.meta().text_tokens as usize;
+    let mut differences = Vec::new();
+    for (d, l) in drawn.iter().zip(&logits) {
+        let token = d.token.token;
+        assert_eq!(d.token.q.prob(token), 1.0, "greedy q is a point mass");
+        // The drafter never samples padding ids, so they are not part of its softmax either.
+        let softmax = spade_core::confidence(&l[..text], &SparseDist::point(token), token);
+        differences.push((d.confidence - softmax).abs());
+    }
+    let mean = differences.iter().sum::<f32>() / differences.len() as f32;
+    let max = differences.iter().copied().fold(0.0, f32::max);
+    assert!(mean < 0.04 && max < 0.15, "confidence vs the scorer's softmax: mean difference {mean}, max {max}");
+    let confidences: Vec<f32> = drawn.iter().map(|d| d.confidence).collect();
+    println!("greedy confidences {confidences:?}");
+    assert!(confidences.iter().any(|&c| c < 0.99), "no unsure token in {confidences:?}");
 }
