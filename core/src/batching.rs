@@ -13,6 +13,9 @@
 //! whole length, and no call waits forever. A call alone takes whole passes; with `max_sessions`
 //! 1 calls are served one at a time, oldest first, each to its end.
 
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
 /// One waiting call, in arrival order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting {
@@ -143,6 +146,68 @@ pub fn admit(call: Waiting, backlog_rows: usize, cost: &RowCost, limits: &PassLi
         Ok(())
     } else {
         Err(((backlog_secs - max_backlog_secs).ceil() as u64).max(1))
+    }
+}
+
+/// Most prompts [`PromptLine`] keeps a place for; later ones are turned away without one.
+const LINE_PLACES: usize = 4096;
+/// How long a prompt keeps its place without asking again: 1.5 times its `retry-after` (callers add
+/// jitter to it, the gateway up to 20%) plus 5 s. A caller that has not come back by then has given up.
+fn place_expires(now: Instant, retry_after: u64) -> Instant {
+    now + Duration::from_secs_f64(1.5 * retry_after as f64 + 5.0)
+}
+
+/// Prompts turned away by [`admit`], in the order they were first turned away, so the room a draining
+/// backlog makes goes to them first come, first served: a prompt is taken only while the backlog plus
+/// the rows of the prompts waiting before it are within the bound. Without the line, whichever prompt
+/// happened to ask first after the backlog drained got in, and one could be turned away for minutes
+/// while later ones were taken. A place is kept by session id; a call without one waits behind every
+/// prompt in the line and keeps no place.
+#[derive(Debug, Default)]
+pub struct PromptLine {
+    places: VecDeque<Place>,
+}
+
+#[derive(Debug)]
+struct Place {
+    session: String,
+    rows: usize,
+    /// When the place is given up unless its caller asks again.
+    expires: Instant,
+}
+
+impl PromptLine {
+    /// `decide` (usually [`admit`]) for a call of `session` bringing `pending` rows, given the rows of
+    /// the prompts waiting before it (to be added to the backlog); a call turned away keeps (or takes)
+    /// its place, one taken leaves the line.
+    pub fn take_turn(&mut self, session: Option<&str>, pending: usize, now: Instant, decide: impl FnOnce(usize) -> Result<(), u64>) -> Result<(), u64> {
+        self.places.retain(|p| p.expires > now);
+        let at = session.and_then(|s| self.places.iter().position(|p| p.session == s));
+        let ahead: usize = self.places.iter().take(at.unwrap_or(self.places.len())).map(|p| p.rows).sum();
+        let answer = decide(ahead);
+        match (answer, at, session) {
+            (Ok(()), Some(i), _) => {
+                self.places.remove(i);
+            }
+            (Err(retry_after), Some(i), _) => {
+                self.places[i].rows = pending;
+                self.places[i].expires = place_expires(now, retry_after);
+            }
+            (Err(retry_after), None, Some(session)) if self.places.len() < LINE_PLACES => {
+                self.places.push_back(Place { session: session.to_owned(), rows: pending, expires: place_expires(now, retry_after) });
+            }
+            _ => {}
+        }
+        answer
+    }
+
+    /// Prompts waiting for their turn.
+    pub fn len(&self) -> usize {
+        self.places.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.places.is_empty()
     }
 }
 
@@ -278,5 +343,46 @@ mod tests {
         assert_eq!(admit(call(21, 5), 1000, &cost, &LIMITS, 20.0), Ok(()));
         assert_eq!(admit(call(22, 5), 1000, &cost, &LIMITS, 20.0), Err(80));
         assert_eq!(admit(prompt, 1000, &cost, &LIMITS, 0.0), Ok(()), "0 turns the check off");
+    }
+
+    fn turn(line: &mut PromptLine, session: Option<&str>, call: Waiting, backlog: usize, cost: &RowCost, now: Instant) -> Result<(), u64> {
+        line.take_turn(session, call.pending, now, |ahead| admit(call, backlog + ahead, cost, &LIMITS, 20.0))
+    }
+
+    #[test]
+    fn prompts_turned_away_are_taken_first_come_first_served() {
+        let (mut line, mut cost, t0) = (PromptLine::default(), RowCost::default(), Instant::now());
+        cost.observe(10, 1.0);
+        let prompt = call(100, 5);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        // 300 rows (30 s) waiting: a, then b, are turned away and take places in that order.
+        assert_eq!(turn(&mut line, Some("a"), prompt, 300, &cost, at(0)), Err(10));
+        assert_eq!(turn(&mut line, Some("b"), prompt, 300, &cost, at(0)), Err(20), "a's 100 rows are ahead of b");
+        assert_eq!(line.len(), 2);
+        // The backlog drains to 150 rows (15 s): room for one prompt. b asks first and still waits for a.
+        assert_eq!(turn(&mut line, Some("b"), prompt, 150, &cost, at(5)), Err(5));
+        assert_eq!(turn(&mut line, Some("a"), prompt, 150, &cost, at(6)), Ok(()));
+        assert_eq!(line.len(), 1);
+        // a's rows are in the backlog now; once it drains, b is next, and a call without a session waits behind b.
+        assert_eq!(turn(&mut line, None, prompt, 120, &cost, at(7)), Err(2));
+        assert_eq!(turn(&mut line, Some("b"), prompt, 120, &cost, at(7)), Ok(()));
+        assert!(line.is_empty());
+        // Decode blocks never queue.
+        assert_eq!(turn(&mut line, Some("c"), call(5, 5), 10_000, &cost, at(8)), Ok(()));
+        assert!(line.is_empty());
+    }
+
+    #[test]
+    fn a_prompt_that_stops_asking_gives_up_its_place() {
+        let (mut line, mut cost, t0) = (PromptLine::default(), RowCost::default(), Instant::now());
+        cost.observe(10, 1.0);
+        let prompt = call(100, 5);
+        assert_eq!(turn(&mut line, Some("gone"), prompt, 300, &cost, t0), Err(10));
+        // Within 1.5 times its retry-after plus 5 s (20 s), "gone" still holds 100 rows ahead of "late".
+        let soon = t0 + Duration::from_secs(19);
+        assert_eq!(turn(&mut line, Some("late"), prompt, 150, &cost, soon), Err(5));
+        let later = t0 + Duration::from_secs(21);
+        assert_eq!(turn(&mut line, Some("late"), prompt, 150, &cost, later), Ok(()));
+        assert!(line.is_empty());
     }
 }

@@ -58,6 +58,6 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
 ), security(("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let (sessions, bytes) = state.sessions.usage();
-    let backlog_secs = state.target().map_or(0.0, |t| t.batcher.load.backlog_seconds());
-    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.held(), backlog_secs, state.target_model.is_loaded()))
+    let (backlog_secs, in_line) = state.target().map_or((0.0, 0), |t| (t.batcher.load.backlog_seconds(), t.batcher.prompts_in_line()));
+    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.held(), backlog_secs, in_line, state.target_model.is_loaded()))
 }

@@ -9,14 +9,15 @@
 //!
 //! The thread also keeps the backlog (rows still to score) and what a row costs, so a call that
 //! brings a long prompt can be told to come back later ([`Batcher::admit`]) instead of waiting
-//! behind minutes of other prompts until its caller gives up.
+//! behind minutes of other prompts until its caller gives up; prompts told so are then taken in the
+//! order they were first turned away.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::batching::{admit, plan_pass, PassLimits, RowCost, Waiting};
+use spade_core::batching::{admit, plan_pass, PassLimits, PromptLine, RowCost, Waiting};
 use spade_engine::{BatchJob, EngineError, Logits, ScoreSession, Scorer};
 use tokio::sync::{oneshot, OwnedMutexGuard};
 
@@ -79,6 +80,8 @@ pub struct Batcher {
     calls: mpsc::Sender<Call>,
     limits: PassLimits,
     max_backlog_secs: f64,
+    /// Prompts turned away, first come, first served.
+    line: Mutex<PromptLine>,
     pub load: Arc<Load>,
 }
 
@@ -88,19 +91,27 @@ impl Batcher {
         let load = Arc::new(Load::default());
         let shared = load.clone();
         std::thread::Builder::new().name("spade-batcher".into()).spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
-        Ok(Self { calls, limits, max_backlog_secs, load })
+        Ok(Self { calls, limits, max_backlog_secs, line: Mutex::default(), load })
     }
 
-    /// Whether a call scoring `tokens` in `session` (the last `n_logits` with logits) may join now:
-    /// spade-core's [`admit`] against the current backlog, else 429 `verifier_busy`.
-    pub fn admit(&self, session: &dyn ScoreSession, tokens: &[u32], n_logits: usize) -> Result<Joining, ApiError> {
+    /// Whether a call of session `session_id` scoring `tokens` in `session` (the last `n_logits` with
+    /// logits) may join now: spade-core's [`admit`] against the current backlog plus the prompts turned
+    /// away before it ([`PromptLine`]), else 429 `verifier_busy`.
+    pub fn admit(&self, session_id: Option<&str>, session: &dyn ScoreSession, tokens: &[u32], n_logits: usize) -> Result<Joining, ApiError> {
         let call = Waiting { pending: session.rows_to_score(tokens, n_logits), tail: n_logits };
         // One reading of the backlog and the cost serves both the decision and its message.
         let (backlog, cost) = (self.load.rows.load(Ordering::SeqCst), self.load.row_cost());
-        match admit(call, backlog, &cost, &self.limits, self.max_backlog_secs) {
+        let mut line = self.line.lock().unwrap_or_else(|p| p.into_inner());
+        let decide = |ahead: usize| admit(call, backlog + ahead, &cost, &self.limits, self.max_backlog_secs);
+        match line.take_turn(session_id, call.pending, Instant::now(), decide) {
             Ok(()) => Ok(Joining { rows: call.pending }),
             Err(retry_after) => Err(ApiError::Busy { retry_after, backlog_secs: backlog as f64 * cost.seconds_per_row().unwrap_or(0.0) }),
         }
+    }
+
+    /// Prompts turned away that keep their place in the line.
+    pub fn prompts_in_line(&self) -> usize {
+        self.line.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
     /// Scores `tokens` in `session`, returning the logits of the last `n_logits` positions.

@@ -101,7 +101,7 @@ impl Metrics {
 
     /// The Prometheus text exposition; `sessions`, `cache_bytes`, `held` and `backlog_secs` are
     /// gauges read now.
-    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, backlog_secs: f64, ready: bool) -> String {
+    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, backlog_secs: f64, prompts_in_line: usize, ready: bool) -> String {
         let mut out = String::new();
         let counters = [
             ("spade_verify_calls_total", "Verify calls answered.", &self.verify_calls),
@@ -135,6 +135,7 @@ impl Metrics {
             ("spade_sessions", "Sessions holding a KV cache.", sessions),
             ("spade_kv_cache_bytes", "Bytes held by session KV caches.", cache_bytes),
             ("spade_verify_calls_held", "Verify calls being scored or waiting for a pass (429 beyond --max-batch-sessions + --queue-size).", held),
+            ("spade_verify_prompts_in_line", "Prompts turned away with 429 verifier_busy that keep their place until taken.", prompts_in_line),
             ("spade_ready", "1 once the model is loaded.", usize::from(ready)),
         ];
         for (name, help, value) in gauges {

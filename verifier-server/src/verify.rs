@@ -205,7 +205,7 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let ValidVerify { drafts, rule, grammar, seed, top_logprobs, session_id, context_start, .. } = valid;
     let drafted = drafts.len();
     let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
-    let joining = target.batcher.admit(guard.score.as_ref(), &tokens, drafted + 1)?;
+    let joining = target.batcher.admit(session_id.as_deref(), guard.score.as_ref(), &tokens, drafted + 1)?;
     // The grammar is brought to the context before scoring, so a bad one costs no forward pass. A full
     // context starts the session over, with its grammar or none; only grammar work needs the blocking pool.
     let grammar = grammar.filter(|_| context_start == 0);

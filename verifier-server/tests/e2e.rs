@@ -73,7 +73,8 @@ async fn verify_equals_the_rule_on_the_scorers_logits() {
 
 /// With more scoring waiting than --max-backlog-secs, a new prompt gets 429 `verifier_busy` with a
 /// retry-after, while a running session's decode block is still taken and answered before the long
-/// prompt ahead of it finishes; once the backlog drains the prompt is taken.
+/// prompt ahead of it finishes; once the backlog drains the prompts turned away are taken in the
+/// order they were first turned away.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_verifier_turns_prompts_away_and_keeps_decoding() {
     let server = start(&["--max-backlog-secs", "0.001"]).await;
@@ -105,6 +106,10 @@ async fn a_busy_verifier_turns_prompts_away_and_keeps_decoding() {
     assert_eq!(status, 429, "{refused}");
     assert_eq!(refused["error"]["code"], "verifier_busy", "{refused}");
     assert!(retry_after.is_some_and(|s| s >= 1), "retry-after {retry_after:?}");
+    let (status, _) = post(&client, &server.url, &call("second", prompt(100, 3), 0, vec![])).await;
+    assert_eq!(status, 429);
+    let metrics = client.get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("spade_verify_prompts_in_line 2\n"), "{metrics}");
 
     let q = spade_core::SparseDist::new(vec![(284, 1.0)], None).unwrap();
     let block = vec![WireDraftToken::from_draft(&DraftToken { token: 284, q })];
@@ -114,10 +119,16 @@ async fn a_busy_verifier_turns_prompts_away_and_keeps_decoding() {
 
     let (status, answer) = long.await.unwrap();
     assert_eq!(status, 200, "{answer}");
+    // The backlog has drained, but "second" was turned away after "newcomer": it waits its turn.
+    let (status, early) = post(&client, &server.url, &call("second", prompt(100, 3), 0, vec![])).await;
+    assert_eq!((status, &early["error"]["code"]), (429, &json!("verifier_busy")), "{early}");
     let (status, taken) = post(&client, &server.url, &call("newcomer", prompt(100, 2), 0, vec![])).await;
     assert_eq!(status, 200, "once the backlog drained: {taken}");
+    let (status, taken) = post(&client, &server.url, &call("second", prompt(100, 3), 0, vec![])).await;
+    assert_eq!(status, 200, "after the prompt ahead of it: {taken}");
     let metrics = client.get(format!("{}/metrics", server.url)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("spade_verify_busy_total 1\n"), "{metrics}");
+    assert!(metrics.contains("spade_verify_busy_total 3\n"), "{metrics}");
+    assert!(metrics.contains("spade_verify_prompts_in_line 0\n"), "{metrics}");
     assert!(metrics.contains("spade_verify_backlog_seconds 0.000\n"), "the backlog is empty again");
 }
 
