@@ -111,7 +111,10 @@ async fn relay_call(relay: &Relay, request: Request) -> anyhow::Result<Response>
     }
     let answer = upstream.send().await?;
     let status = answer.status();
-    let content_type = answer.headers().get(header::CONTENT_TYPE).cloned();
+    // A busy verifier's 429 says when to come back: the gateway behind the relay must see it.
+    let kept: Vec<_> =
+        [header::CONTENT_TYPE, header::RETRY_AFTER].into_iter().filter_map(|name| Some((name.clone(), answer.headers().get(name)?.clone()))).collect();
+    let content_type = kept.iter().find(|(name, _)| name == header::CONTENT_TYPE).map(|(_, v)| v.clone());
     let bytes: Bytes = answer.bytes().await?;
     if verify && status.is_success() {
         let binary = names_binary(&parts.headers, header::CONTENT_TYPE);
@@ -130,8 +133,8 @@ async fn relay_call(relay: &Relay, request: Request) -> anyhow::Result<Response>
         *last = Instant::now();
     }
     let mut response = (status, bytes).into_response();
-    if let Some(ct) = content_type {
-        response.headers_mut().insert(header::CONTENT_TYPE, ct);
+    for (name, value) in kept {
+        response.headers_mut().insert(name, value);
     }
     Ok(response)
 }
