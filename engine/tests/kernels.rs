@@ -73,7 +73,7 @@ fn qmatmul_rows_are_bit_identical_alone_or_in_blocks() {
                         mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
                     })
                     .collect();
-                for m in [1usize, 2, 3, 4, 5, 7, 8, 13] {
+                for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 12, 13] {
                     // Rows 0..m, and a block starting at an offset (rows land in other tile slots).
                     for start in [0usize, mmax - m] {
                         let xt = Tensor::from_vec(x[start * k..(start + m) * k].to_vec(), (m, k), &dev).unwrap();
@@ -104,7 +104,7 @@ fn check_kernels<T: GgmlType>(k: usize) {
     T::from_float(&wf, &mut w);
     let mut wd = vec![0f32; k];
     T::to_float(&w, &mut wd);
-    let ys: Vec<(Vec<T::VecDotType>, Vec<f32>)> = (0..4)
+    let ys: Vec<(Vec<T::VecDotType>, Vec<f32>)> = (0..6)
         .map(|r| {
             let xf = values(k, 1000 + r as u64 * 31 + k as u64);
             let mut y = vec![T::VecDotType::zeros(); nb];
@@ -124,7 +124,9 @@ fn check_kernels<T: GgmlType>(k: usize) {
     let r2 = T::vec_dot_rows::<2>(k, &w, [&ys[0].0, &ys[1].0]);
     let r3 = T::vec_dot_rows::<3>(k, &w, [&ys[0].0, &ys[1].0, &ys[2].0]);
     let r4 = T::vec_dot_rows::<4>(k, &w, [&ys[0].0, &ys[1].0, &ys[2].0, &ys[3].0]);
-    for got in [&r1[..], &r2[..], &r3[..], &r4[..]] {
+    let r5 = T::vec_dot_rows::<5>(k, &w, std::array::from_fn(|r| ys[r].0.as_slice()));
+    let r6 = T::vec_dot_rows::<6>(k, &w, std::array::from_fn(|r| ys[r].0.as_slice()));
+    for got in [&r1[..], &r2[..], &r3[..], &r4[..], &r5[..], &r6[..]] {
         for (r, v) in got.iter().enumerate() {
             assert_eq!(v.to_bits(), single[r].to_bits(), "{:?} k={k} vec_dot_rows row {r}", T::DTYPE);
         }

@@ -3,7 +3,7 @@
 //! candle's stock CPU quantized matmul is a loop of per-row GEMVs: scoring k positions reads every
 //! weight k times. With patches/candle-core+0.10.2.patch, `k_quants::matmul` is a multi-row matmul:
 //! activation rows are quantized once (`from_float`), weight rows are split in chunks over rayon's
-//! threads, and each weight row is dotted with tiles of up to 4 activation rows through
+//! threads, and each weight row is dotted with even tiles of up to 6 activation rows through
 //! `GgmlType::vec_dot_rows`, which unpacks every weight block once per tile. Per (row, column) it
 //! runs exactly the single-row `vec_dot`, so a row's result does not depend on how many rows are
 //! in the block: scoring a block gives bit-identical logits to scoring its positions one at a time,
