@@ -1,15 +1,23 @@
-//! Speed of the patched quantized matmul (patches/candle-core+0.10.2.patch) by number of activation
-//! rows, on the 1.5B's shapes: how much a verify block's extra rows cost over a single step. The
-//! fastest of many repetitions per figure, so a shared machine's noise mostly drops out.
+//! Speed of the patched quantized kernels (patches/candle-core+0.10.2.patch) by number of activation
+//! rows, on the Qwen pair's shapes: what a verify block's extra rows cost over a single step.
 //!
-//!   RAYON_NUM_THREADS=1 taskset -c 1 cargo run --example kernel_speed -p spade-engine [-- MAX_ROWS]
+//! - "tiles": one thread through `vec_dot_rows` directly, one weight pass per tile, for several ways
+//!   of splitting the rows into tiles (5 rows as one tile of 5 or as 4 + 1, …);
+//! - "matmul": the patched `k_quants::matmul` as the models call it (its own tiles, rayon's pool).
+//!
+//! Each figure is the fastest of 25 repetitions, the variants interleaved, as a multiple of one
+//! row's time, so a shared machine's drifting speed mostly drops out.
+//!
+//!   RAYON_NUM_THREADS=1 taskset -c 1 cargo run --example kernel_speed -p spade-engine
 
 use std::time::Instant;
 
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 
-fn values(len: usize) -> Vec<f32> {
-    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+const REPS: usize = 25;
+
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ seed;
     (0..len)
         .map(|_| {
             s ^= s << 13;
@@ -20,38 +28,81 @@ fn values(len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Milliseconds for an (m × k) by (k × n) product, fastest of `reps`.
-fn time<T: GgmlType>(m: usize, k: usize, n: usize, reps: usize) -> f64 {
-    let weights = values(n * k);
-    let mut blocks = vec![T::zeros(); n * k / T::BLCK_SIZE];
-    T::from_float(&weights, &mut blocks);
-    let lhs = values(m * k);
-    let mut dst = vec![0f32; m * n];
-    (0..reps)
-        .map(|_| {
-            let started = Instant::now();
-            k_quants::matmul::<T>((m, k, n), &lhs, &blocks, &mut dst).unwrap();
-            started.elapsed().as_secs_f64() * 1e3
-        })
-        .fold(f64::INFINITY, f64::min)
+/// Rows `row0..row0 + R` of `ys` times every weight row, in one pass over the weights.
+fn tile<T: GgmlType, const R: usize>(k: usize, weights: &[T], ys: &[Vec<T::VecDotType>], row0: usize) -> f32 {
+    let blocks = k / T::BLCK_SIZE;
+    let rows: [&[T::VecDotType]; R] = std::array::from_fn(|r| ys[row0 + r].as_slice());
+    // A sum of the results keeps the compiler from dropping the work.
+    weights.chunks(blocks).map(|w| T::vec_dot_rows::<R>(k, w, rows).iter().sum::<f32>()).sum()
 }
 
-fn report<T: GgmlType>(name: &str, k: usize, n: usize, max_rows: usize) {
-    let reps = 20;
-    let one = time::<T>(1, k, n, reps);
-    let mut line = format!("{name:>5} {n:>5}x{k:<5} 1 row {one:6.2} ms;");
-    for m in 2..=max_rows {
-        let t = time::<T>(m, k, n, reps);
-        line += &format!(" {m}: {:.2}x", t / one);
+fn run_plan<T: GgmlType>(k: usize, weights: &[T], ys: &[Vec<T::VecDotType>], plan: &[usize]) -> f32 {
+    let mut row0 = 0;
+    let mut sum = 0.0;
+    for &rows in plan {
+        sum += match rows {
+            1 => tile::<T, 1>(k, weights, ys, row0),
+            2 => tile::<T, 2>(k, weights, ys, row0),
+            3 => tile::<T, 3>(k, weights, ys, row0),
+            4 => tile::<T, 4>(k, weights, ys, row0),
+            5 => tile::<T, 5>(k, weights, ys, row0),
+            6 => tile::<T, 6>(k, weights, ys, row0),
+            8 => tile::<T, 8>(k, weights, ys, row0),
+            _ => unreachable!("no tile of {rows} rows here"),
+        };
+        row0 += rows;
     }
-    println!("{line}");
+    sum
+}
+
+fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
+    let mut weights = vec![T::zeros(); n * k / T::BLCK_SIZE];
+    T::from_float(&values(n * k, 1), &mut weights);
+    let ys: Vec<Vec<T::VecDotType>> = (0..8)
+        .map(|r| {
+            let mut y = vec![T::VecDotType::zeros(); k / T::BLCK_SIZE];
+            T::VecDotType::from_float(&values(k, 7 + r), &mut y);
+            y
+        })
+        .collect();
+    let plans: [&[usize]; 9] = [&[1], &[2], &[3], &[4], &[5], &[4, 1], &[3, 2], &[6], &[8]];
+    let lhs = values(8 * k, 3);
+    let mut dst = vec![0f32; 8 * n];
+    let matmul_rows = [1usize, 4, 5, 6, 8];
+    let mut best_plan = [f64::INFINITY; 9];
+    let mut best_matmul = [f64::INFINITY; 5];
+    let mut sink = 0.0;
+    for _ in 0..REPS {
+        for (best, plan) in best_plan.iter_mut().zip(plans) {
+            let started = Instant::now();
+            sink += run_plan(k, &weights, &ys, plan);
+            *best = best.min(started.elapsed().as_secs_f64() * 1e3);
+        }
+        for (best, &m) in best_matmul.iter_mut().zip(&matmul_rows) {
+            let started = Instant::now();
+            k_quants::matmul::<T>((m, k, n), &lhs[..m * k], &weights, &mut dst[..m * n]).expect("matmul shapes");
+            *best = best.min(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let tiles: Vec<String> = plans
+        .iter()
+        .zip(&best_plan)
+        .skip(1)
+        .map(|(plan, t)| {
+            let plan: Vec<String> = plan.iter().map(usize::to_string).collect();
+            format!("{}: {:.2}x", plan.join("+"), t / best_plan[0])
+        })
+        .collect();
+    let matmul: Vec<String> = matmul_rows.iter().zip(&best_matmul).skip(1).map(|(m, t)| format!("{m}: {:.2}x", t / best_matmul[0])).collect();
+    println!("{name} {n}x{k} (checksum {sink:.3e})");
+    println!("  tiles:  1 row {:.3} ms; {}", best_plan[0], tiles.join("  "));
+    println!("  matmul: 1 row {:.3} ms; {}", best_matmul[0], matmul.join("  "));
 }
 
 fn main() {
-    let max_rows = std::env::args().nth(1).and_then(|a| a.parse().ok()).unwrap_or(8);
-    println!("time of m rows as a multiple of one row's (one weight pass would be 1.00x)");
-    report::<BlockQ4K>("Q4_K", 1536, 8960, max_rows);
-    report::<BlockQ6K>("Q6_K", 8960, 1536, max_rows);
-    report::<BlockQ5_0>("Q5_0", 896, 4864, max_rows);
-    report::<BlockQ8_0>("Q8_0", 896, 4864, max_rows);
+    println!("time for m activation rows as a multiple of one row's (one pass over the weights)");
+    report::<BlockQ4K>("Q4_K (1.5B ffn_gate/up)", 1536, 8960);
+    report::<BlockQ6K>("Q6_K (1.5B ffn_down in half the layers)", 8960, 1536);
+    report::<BlockQ5_0>("Q5_0 (0.5B ffn_gate/up)", 896, 4864);
+    report::<BlockQ8_0>("Q8_0 (the 0.5B output layer's type, ffn_up's shape)", 896, 4864);
 }
