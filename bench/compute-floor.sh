@@ -50,12 +50,12 @@ for round in $(seq "$rounds"); do
     [ "$t" = 1 ] && command -v taskset >/dev/null && pin=(taskset -c 1)
     echo "## round $round/$rounds, $t thread(s) ${pin[*]:+(pinned: ${pin[*]})}"
     echo
-    csv=$(mktemp)
-    "${pin[@]}" "$bin/llama-bench" -m "$draft" -p 512 -n 64 -t "$t" -r 3 --poll 0 -o csv 2>/dev/null >"$csv"
-    "${pin[@]}" "$bin/llama-bench" -m "$target" -p 5 -n 64 -t "$t" -r 3 --poll 0 -o csv 2>/dev/null | tail -n +2 >>"$csv"
-    l_pp512=$(llama_ts "$csv" 512 0) l_dtg=$(llama_ts "$csv" 0 64)
-    l_pp5=$(llama_ts "$csv" 5 0) l_ttg=$(llama_ts "$csv" 0 64 | tail -n1) l_dtg=${l_dtg%%$'\n'*}
-    rm -f "$csv"
+    draft_csv=$(mktemp) target_csv=$(mktemp)
+    "${pin[@]}" "$bin/llama-bench" -m "$draft" -p 512 -n 64 -t "$t" -r 3 --poll 0 -o csv 2>/dev/null >"$draft_csv"
+    "${pin[@]}" "$bin/llama-bench" -m "$target" -p 5 -n 64 -t "$t" -r 3 --poll 0 -o csv 2>/dev/null >"$target_csv"
+    l_pp512=$(llama_ts "$draft_csv" 512 0) l_dtg=$(llama_ts "$draft_csv" 0 64)
+    l_pp5=$(llama_ts "$target_csv" 5 0) l_ttg=$(llama_ts "$target_csv" 0 64)
+    rm -f "$draft_csv" "$target_csv"
     ours_draft=$(RAYON_NUM_THREADS=$t "${pin[@]}" "$examples/draft_speed" "$draft" 2>/dev/null)
     ours_target=$(RAYON_NUM_THREADS=$t "${pin[@]}" "$examples/scorer_speed" "$target" 1x1 2>/dev/null | sed -n 1p)
     echo "llama.cpp (llama-bench, -r 3): 0.5B pp512 $l_pp512 tok/s, tg64 $l_dtg tok/s; 1.5B pp5 $l_pp5 tok/s, tg64 $l_ttg tok/s"
