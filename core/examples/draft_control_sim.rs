@@ -1,6 +1,7 @@
 //! `auto` against fixed draft lengths in a simulated world with draft-ahead: tokens per second of
 //! round time, the same random text and noise for every mode (seeded), so constants of
-//! `spade_core::draft_control` can be tried in seconds instead of a 30-minute benchmark.
+//! `spade_core::draft_control` can be tried in seconds instead of a 30-minute benchmark. Beside each rate:
+//! the verifier's milliseconds per committed token (the cloud's cost).
 //!
 //!   cargo run --release --example draft_control_sim -p spade-core -- [RTT_MS ...]
 //!
@@ -73,11 +74,12 @@ fn draft(world: &mut World, ctl: Option<&DraftController>, cap: usize) -> Block 
     Block { drafting_s: 0.010 + step_s * tokens.len() as f64, tokens, step_s }
 }
 
-/// Committed tokens per second of round time with a fixed length, or `auto` when `fixed` is None.
-fn run(fixed: Option<usize>, rtt_s: f64, confidence: bool, seed: u64) -> (f64, f64) {
+/// Committed tokens per second of round time, tokens per round and verifier milliseconds per committed
+/// token, with a fixed length, or `auto` when `fixed` is None.
+fn run(fixed: Option<usize>, rtt_s: f64, confidence: bool, seed: u64) -> (f64, f64, f64) {
     let mut world = World { rng: ChaCha8Rng::seed_from_u64(seed), rtt_s, confidence };
     let mut ctl = DraftController::new(MAX_DRAFT, true, Estimates::default());
-    let (mut committed, mut time, mut rounds) = (0usize, 0.0, 0usize);
+    let (mut committed, mut time, mut rounds, mut verifier_total_s) = (0usize, 0.0, 0usize, 0.0);
     // The block drafted ahead for this round, and the part of its drafting the last call did not hide.
     let mut ahead: Option<Block> = None;
     while committed < TOKENS {
@@ -93,6 +95,7 @@ fn run(fixed: Option<usize>, rtt_s: f64, confidence: bool, seed: u64) -> (f64, f
         };
         let call_s = world.rtt_s + world.verify_s(block.len() + 1);
         let verifier_s = call_s - world.rtt_s;
+        verifier_total_s += verifier_s;
         // During the call: the guess, then the next block.
         let next_d = fixed.unwrap_or_else(|| ctl.choose());
         let (_, guess_ok) = world.token();
@@ -117,7 +120,7 @@ fn run(fixed: Option<usize>, rtt_s: f64, confidence: bool, seed: u64) -> (f64, f
             ahead_guess: (all && (next_d > 0 || !block.is_empty())).then_some(guess_ok),
         });
     }
-    (committed as f64 / time, committed as f64 / rounds as f64)
+    (committed as f64 / time, committed as f64 / rounds as f64, 1e3 * verifier_total_s / committed as f64)
 }
 
 fn main() {
@@ -128,12 +131,15 @@ fn main() {
         let mut line = format!("RTT {rtt_ms:>3} ms:");
         let mut best = 0.0f64;
         for d in 1..=6 {
-            let (rate, _) = run(Some(d), rtt_ms / 1e3, confidence, 1);
+            let (rate, _, verifier_ms) = run(Some(d), rtt_ms / 1e3, confidence, 1);
             best = best.max(rate);
-            line += &format!("  d={d} {rate:.2}");
+            line += &format!("  d={d} {rate:.2} ({verifier_ms:.0} ms)");
         }
-        let (rate, per_round) = run(None, rtt_ms / 1e3, confidence, 1);
-        line += &format!("  | auto {rate:.2} ({:+.1}% vs best fixed, {per_round:.2} tokens/round)", 100.0 * (rate / best - 1.0));
+        let (rate, per_round, verifier_ms) = run(None, rtt_ms / 1e3, confidence, 1);
+        line += &format!(
+            "  | auto {rate:.2} ({:+.1}% vs best fixed, {per_round:.2} tokens/round, {verifier_ms:.0} verifier ms/token)",
+            100.0 * (rate / best - 1.0)
+        );
         println!("{line}");
     }
 }
