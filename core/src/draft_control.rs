@@ -5,7 +5,8 @@
 //! One round: the edge drafts `d` tokens (`t_start + d * t_draft`: `t_start` is what a block costs before its
 //! first step, starting a draft request and catching up on the tokens committed since the last one) and sends
 //! them; the call takes `rtt + V(d+1)`, where
-//! `V(rows) = a + b * rows` is the verifier's compute for `d + 1` scored rows; the verifier commits the accepted
+//! `V(rows)` is the verifier's compute for `d + 1` scored rows (measured per block size, see
+//! [`Estimates::verify_time`]); the verifier commits the accepted
 //! prefix plus one token (correction or bonus). With `alpha_i = P(position i accepted | all before accepted)`,
 //! a round commits `E(d) = sum_{j=0..=d} prod_{i<j} alpha_i` tokens on average.
 //!
@@ -125,6 +126,9 @@ pub struct Estimates {
     rtt_s: f64,
     verify_a_s: f64,
     verify_b_s: f64,
+    /// The verifier's time by scored rows (the index), exponentially weighted per size; None: not seen.
+    #[serde(skip)]
+    verify_by_rows: Vec<Option<f64>>,
     /// Rounds observed, priors excluded.
     rounds: u64,
     #[serde(skip)]
@@ -154,6 +158,7 @@ impl Default for Estimates {
             rtt_s: 0.010,
             verify_a_s: 0.080,
             verify_b_s: 0.008,
+            verify_by_rows: Vec::new(),
             rounds: 0,
             fit: Fit::default(),
         }
@@ -222,9 +227,23 @@ impl Estimates {
         }
     }
 
-    /// Modelled verifier compute for a block of `rows` scored rows, in seconds.
+    /// Modelled verifier compute for a block of `rows` scored rows, in seconds: the measured time of that
+    /// size where one was seen, interpolated between the nearest sizes seen on either side, and
+    /// extrapolated from the nearest with the fit's per-row slope `b` beyond them (the fit `a + b * rows`
+    /// alone before any). A verifier's time is not linear in rows: a CPU kernel scores up to 6 rows in one
+    /// pass over the weights and 7 in two, so one 7-row block made the fit's slope 70 ms a row where the
+    /// blocks of 2-6 rows cost 35-40 more per row, and `auto` kept to 1-2 drafts for dozens of rounds.
     pub fn verify_time(&self, rows: usize) -> f64 {
-        self.verify_a_s + self.verify_b_s * rows as f64
+        let measured = |r: usize| self.verify_by_rows.get(r).copied().flatten().map(|v| (r, v));
+        let below = (0..=rows.min(self.verify_by_rows.len())).rev().find_map(measured);
+        let above = (rows..self.verify_by_rows.len()).find_map(measured);
+        let b = self.verify_b_s;
+        match (below, above) {
+            (Some((r0, v0)), Some((r1, v1))) if r1 > r0 => v0 + (v1 - v0) * (rows - r0) as f64 / (r1 - r0) as f64,
+            (Some((r0, v0)), _) => v0 + b * (rows - r0) as f64,
+            (None, Some((r1, v1))) => (v1 - b * (r1 - rows) as f64).max(0.0),
+            (None, None) => self.verify_a_s + b * rows as f64,
+        }
     }
 
     /// `E(d)`: expected tokens committed by a round that drafts `d`.
@@ -350,6 +369,7 @@ impl Estimates {
         let verifier_s = round.verifier_time.and_then(sample);
         if let Some(v) = verifier_s {
             self.fit_verify(rows as f64, v);
+            self.measure_verify(rows, v);
         }
         if let Some(latency_s) = sample(round.call_latency) {
             let compute = verifier_s.unwrap_or_else(|| self.verify_time(rows));
@@ -366,6 +386,21 @@ impl Estimates {
             self.alpha.resize(i + 1, seed);
         }
         &mut self.alpha[i]
+    }
+
+    /// Adds `(rows, seconds)` to the verifier's time for blocks of `rows` (see [`Estimates::verify_time`]).
+    fn measure_verify(&mut self, rows: usize, seconds: f64) {
+        if rows > MAX_POSITIONS + 1 {
+            return;
+        }
+        if self.verify_by_rows.len() <= rows {
+            self.verify_by_rows.resize(rows + 1, None);
+        }
+        let slot = &mut self.verify_by_rows[rows];
+        *slot = Some(slot.map_or(seconds, |mut v| {
+            ew(&mut v, seconds, TIME_GAIN);
+            v
+        }));
     }
 
     /// Adds `(rows, seconds)` to the decayed least-squares fit of `V` and refits `a, b >= 0`.
@@ -775,6 +810,30 @@ mod tests {
             same.observe(&RoundObservation { drafted: 4, verifier_time: Some(Duration::from_millis(200)), ..Default::default() });
         }
         assert!(close(same.verify_b_s, 0.008) && close(same.verify_a_s, 0.2 - 5.0 * 0.008), "{same:?}");
+    }
+
+    #[test]
+    fn a_costlier_block_size_does_not_make_the_sizes_below_it_look_costly() {
+        // A CPU verifier: one pass over the weights up to 6 rows (200 ms + 40 ms a row), two beyond.
+        let v = |rows: usize| 0.2 + 0.04 * rows as f64 + if rows > 6 { 0.25 } else { 0.0 };
+        let observe = |e: &mut Estimates, drafted: usize| {
+            e.observe(&RoundObservation { drafted, accepted: drafted, verifier_time: Some(Duration::from_secs_f64(v(drafted + 1))), ..Default::default() })
+        };
+        let mut e = est(0.95, 30.0, 0.0, 80.0, 8.0);
+        for drafted in [2, 6, 2, 2, 3] {
+            observe(&mut e, drafted);
+        }
+        // Sizes seen are their own measurements; between them, interpolated; beyond, the fit's slope.
+        assert!(close(e.verify_time(3), v(3)) && close(e.verify_time(7), v(7)), "{e:?}");
+        assert!(close(e.verify_time(5), v(4) + (v(7) - v(4)) / 3.0), "{}", e.verify_time(5));
+        assert!(close(e.verify_time(9), v(7) + 2.0 * e.verify_b_s) && close(e.verify_time(1), v(3) - 2.0 * e.verify_b_s));
+        // Once every size is seen, the choice is the longest block of one pass (hand-computed with
+        // alpha 0.95: 10.18 tokens/s at d = 5, 7.26 at d = 6).
+        for drafted in (1..=6).cycle().take(30) {
+            observe(&mut e, drafted);
+        }
+        let e = Estimates { alpha: vec![Rate::prior(0.95)], ..e };
+        assert_eq!(DraftController::new(8, true, e.clone()).choose(), 5, "{e:?}");
     }
 
     #[test]
