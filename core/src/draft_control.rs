@@ -296,6 +296,18 @@ impl Estimates {
         Some((chosen, top_rate))
     }
 
+    /// The blocks that go on from `from` one more draft at a time, up to `to` drafts, each with its
+    /// expected tokens and round time (drafts past `from` accepted at `alpha` of their position).
+    fn longer_blocks(&self, from: Candidate, to: usize, overlap: bool) -> impl Iterator<Item = Candidate> + Clone + '_ {
+        (from.drafted + 1..=to).scan(from, move |c, j| {
+            c.all_accepted *= self.alpha(j - 1);
+            c.expected_tokens += c.all_accepted;
+            c.drafted = j;
+            c.round_time_s = self.round_time_given(j, c.all_accepted, overlap);
+            Some(*c)
+        })
+    }
+
     /// The `d` in `0..=max_draft` to draft, with its inputs: among the lengths whose `E(d) / T(d)` is within
     /// [`RATE_TOLERANCE`] of the highest, the one with the least verifier time per committed token
     /// ([`Estimates::pick`]).
@@ -305,11 +317,7 @@ impl Estimates {
     /// `d = 0` is weighed against the fastest `d > 0` with the chosen block's overlap gain added to its time.
     fn best(&self, max_draft: usize, overlap: bool) -> DraftChoice {
         let max_draft = max_draft.min(MAX_POSITIONS);
-        let blocks = (1..=max_draft).scan((1.0, 1.0), |(e, all_accepted), d| {
-            *all_accepted *= self.alpha(d - 1);
-            *e += *all_accepted;
-            Some(Candidate { drafted: d, expected_tokens: *e, round_time_s: self.round_time_given(d, *all_accepted, overlap), all_accepted: *all_accepted })
-        });
+        let blocks = self.longer_blocks(Candidate::zero(f64::INFINITY), max_draft, overlap);
         let (mut chosen, top_rate) = match self.pick(blocks) {
             Some((chosen, top_rate)) => (chosen, top_rate),
             None => (Candidate::zero(f64::INFINITY), 0.0),
@@ -536,15 +544,13 @@ impl DraftController {
         if block.drafted >= d {
             return false;
         }
-        let now = Candidate { drafted: block.drafted, expected_tokens: block.expected_tokens, round_time_s: 0.0, all_accepted: block.all_accepted };
-        let longer = (block.drafted + 1..=d).scan(now, |c, j| {
-            c.all_accepted *= e.alpha(j - 1);
-            c.expected_tokens += c.all_accepted;
-            c.drafted = j;
-            Some(*c)
-        });
-        let timed = |c: Candidate| Candidate { round_time_s: e.round_time_given(c.drafted, c.all_accepted, overlap), ..c };
-        e.pick(std::iter::once(now).chain(longer).map(timed)).is_some_and(|(chosen, _)| chosen.drafted > block.drafted)
+        let now = Candidate {
+            drafted: block.drafted,
+            expected_tokens: block.expected_tokens,
+            round_time_s: e.round_time_given(block.drafted, block.all_accepted, overlap),
+            all_accepted: block.all_accepted,
+        };
+        e.pick(std::iter::once(now).chain(e.longer_blocks(now, d, overlap))).is_some_and(|(chosen, _)| chosen.drafted > block.drafted)
     }
 
     /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round.
