@@ -8,8 +8,10 @@
 //! Consecutive rounds of a generation reuse each other's KV rows through mistral.rs's prefix cache.
 //! We build against mistral.rs 0.8.1 with fixes to that cache and its engine (patches/README.md):
 //! entries keyed only by tokens that have KV rows, a request that is a prefix of an entry served from
-//! it, entries copied on a hit instead of overwritten in place, eviction on CPU, no thread left behind
-//! by a dropped engine, and batching of KV buffers of different capacities.
+//! it, entries holding only their rows and copied on a hit instead of overwritten in place, eviction
+//! on CPU by count and by bytes (`DrafterOptions::cache_budget_bytes`), no thread left behind by a
+//! dropped engine, and batching of KV buffers of different capacities. The token embeddings stay
+//! quantized.
 
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -39,21 +41,17 @@ pub struct DrafterOptions {
     /// generations' rounds made 8 concurrent 24-token streams 17x slower in aggregate (0.89 vs
     /// 14.9 tokens/s, SmolLM2 stack); one round at a time is short, so queued rounds wait little.
     pub max_concurrent: usize,
-    /// Process memory allowed above what it was once the model loaded; beyond it the engine is
-    /// rebuilt (dropping its prefix cache) at most every `BUDGET_MIN_ROUNDS` rounds. The cache is
-    /// bounded by entry count; this bounds what long contexts make those entries weigh.
+    /// Bytes of KV rows the prefix cache keeps, beyond which its oldest entries are evicted (None: no
+    /// limit). The cache is bounded by entry count too; this bounds what long contexts make those
+    /// entries weigh. The bound is mistral.rs's, so it is process-wide: the last drafter loaded sets it.
     pub cache_budget_bytes: Option<usize>,
 }
 
 impl Default for DrafterOptions {
     fn default() -> Self {
-        Self { max_concurrent: 1, cache_budget_bytes: Some(1 << 30) }
+        Self { max_concurrent: 1, cache_budget_bytes: Some(256 << 20) }
     }
 }
-
-/// Fewest rounds between two rebuilds forced by the memory budget (freed pages take a round or two
-/// to come back, and each rebuild costs the running generations a re-prefill).
-const BUDGET_MIN_ROUNDS: usize = 8;
 
 /// Finished rounds the prefix cache keeps: each running generation needs its last one, so up to
 /// this many generations interleave without re-prefilling (each entry is one KV buffer, ~13 MB for
@@ -77,8 +75,6 @@ pub struct MistralDrafter {
     active: AtomicUsize,
     /// Draft streams alive: blocks someone is still drafting or waiting to draft.
     drafting: Arc<AtomicUsize>,
-    /// Resident memory once loaded, the base of `cache_budget_bytes`.
-    baseline_rss: Option<usize>,
     vocabulary: LazyVocabulary,
 }
 
@@ -108,8 +104,11 @@ impl MistralDrafter {
         .map_err(|e| EngineError::Drafter(e.to_string()))?
         .map_err(|e| EngineError::Drafter(format!("loading the draft model: {e}")))?;
         let pipeline: Arc<tokio::sync::Mutex<dyn Pipeline>> = pipeline;
+        mistralrs::core::set_prefix_cache_max_bytes(options.cache_budget_bytes.unwrap_or(usize::MAX));
         let tokenizer = pipeline.lock().await.tokenizer().ok_or_else(|| EngineError::Drafter("the draft model has no tokenizer".into()))?;
         let model = build_runner(&pipeline, options.max_concurrent).await?;
+        // Loading copied every tensor through temporary buffers (~the model's size again).
+        release_freed_memory();
         let runner = RwLock::new(Runner { model, rounds: AtomicUsize::new(0), trim_pending: AtomicBool::new(false) });
         Ok(Self {
             meta,
@@ -119,7 +118,6 @@ impl MistralDrafter {
             options,
             active: Default::default(),
             drafting: Default::default(),
-            baseline_rss: resident_bytes(),
             vocabulary: LazyVocabulary::new(&path),
         })
     }
@@ -188,12 +186,13 @@ impl MistralDrafter {
         }
     }
 
-    async fn maybe_reset(&self, limit: usize) {
-        if self.runner.read().await.rounds.load(Ordering::Relaxed) < limit {
+    /// Starts a new engine on the loaded pipeline (an empty prefix cache), unless this one never drafted.
+    async fn fresh_engine(&self) {
+        if self.runner.read().await.rounds.load(Ordering::Relaxed) == 0 {
             return;
         }
         let mut runner = self.runner.write().await;
-        if runner.rounds.load(Ordering::Relaxed) >= limit {
+        if runner.rounds.load(Ordering::Relaxed) > 0 {
             tracing::debug!(rounds = runner.rounds.load(Ordering::Relaxed), "rebuilding the draft engine to drop its prefix cache");
             match build_runner(&self.pipeline, self.options.max_concurrent).await {
                 Ok(model) => {
@@ -207,23 +206,6 @@ impl MistralDrafter {
             }
         }
     }
-
-    /// Whether the process holds more than the cache budget above its loaded size.
-    fn over_budget(&self) -> bool {
-        match (self.options.cache_budget_bytes, self.baseline_rss, resident_bytes()) {
-            (Some(budget), Some(base), Some(now)) => now > base + budget,
-            _ => false,
-        }
-    }
-}
-
-/// Resident set size of this process (Linux; None elsewhere).
-fn resident_bytes() -> Option<usize> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf has no preconditions.
-    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    Some(pages * usize::try_from(page).ok()?)
 }
 
 /// The dropped engine's KV buffers are large and many; ask glibc to hand the freed pages back.
@@ -366,7 +348,7 @@ impl Drafter for MistralDrafter {
     /// away every other generation's cache.
     async fn begin_generation(&self, fresh: bool) {
         if self.active.fetch_add(1, Ordering::SeqCst) == 0 && fresh {
-            self.maybe_reset(1).await;
+            self.fresh_engine().await;
         }
     }
 
@@ -384,9 +366,6 @@ impl Drafter for MistralDrafter {
         }
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
-        }
-        if self.over_budget() {
-            self.maybe_reset(BUDGET_MIN_ROUNDS).await;
         }
         // The engine must not be rebuilt under a running request: the stream holds a read lock (only
         // a rebuild takes the write lock, so generations drafting at once do not wait on each other).

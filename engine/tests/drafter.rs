@@ -73,6 +73,37 @@ async fn all_accepted_rounds_draft_like_a_cold_engine() {
     assert!(max_tv < 0.15, "warm drafts diverge from cold ones: total variation {max_tv}");
 }
 
+/// A round after a rejection continues a cached round only part-way: its context shares a prefix with
+/// the cached one, and its new rows go where the entry's later rows are. It must write them into its
+/// own copy: a later round continuing the whole cached round still reads the entry's rows (patch
+/// fixes 3 and 7: compacted entries are copied on such a hit, not on a hit covering them whole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partial_hit_leaves_the_cached_round_intact() {
+    let warm = drafter(TINY, DrafterOptions::default()).await;
+    let cold = drafter(TINY, DrafterOptions::default()).await;
+    let params = DraftParams { sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() }, seed: 5, ..DraftParams::default() };
+    let context = warm.encode_chat(&[(Role::User, PROMPTS[1].into())]).await.unwrap();
+    warm.begin_generation(false).await;
+    let first: Vec<u32> = warm.draft(&context, 8, &params).await.unwrap().iter().map(|d| d.token).collect();
+    // Keep the first draft, then seven other tokens over the positions of the rest.
+    let mut other = context.clone();
+    other.push(first[0]);
+    other.extend(first[1..].iter().map(|&t| if t == 28 { 29 } else { 28 }));
+    warm.draft(&other, 2, &params).await.unwrap();
+    let mut whole = context.clone();
+    whole.extend(&first);
+    let again = warm.draft(&whole, 4, &params).await.unwrap();
+    warm.end_generation();
+    cold.begin_generation(true).await;
+    let reference = cold.draft(&whole, 4, &params).await.unwrap();
+    cold.end_generation();
+    // Position by position while both drafted the same tokens (each q follows the same prefix).
+    let same_prefix = 1 + again.iter().zip(&reference).take_while(|(a, b)| a.token == b.token).count();
+    let worst = again.iter().zip(&reference).take(same_prefix).map(|(a, b)| tv(&b.q, &a.q)).fold(0.0, f64::max);
+    println!("after a partial hit, drafts on the whole cached round differ from a cold engine's by total variation {worst:.3}");
+    assert!(worst < 0.15, "the partial hit overwrote the cached round's rows: total variation {worst}");
+}
+
 /// Drafting `rounds` rounds of 4 from `prompt`, every draft accepted plus one more token: the time.
 async fn draft_run(own: &MistralDrafter, prompt: &[u32], rounds: usize) -> (std::time::Duration, Vec<u32>) {
     let params = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };

@@ -86,10 +86,10 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_MODEL_NAME", default_value = "spade")]
     pub model_name: String,
 
-    /// MiB the draft engine's caches may hold above the loaded model before the engine is rebuilt.
-    /// The prefix cache already keeps a bounded number of rounds; this bounds what long contexts
-    /// make them weigh. 0: no limit.
-    #[arg(long, env = "SPADE_GATEWAY_DRAFT_CACHE_MB", default_value_t = 1024)]
+    /// MiB of KV rows the draft model's prefix cache keeps (each generation's next round continues
+    /// from its last one); beyond it the oldest entries are evicted. The cache also keeps at most 32
+    /// entries; this bounds what long contexts make them weigh. 0: no limit.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_CACHE_MB", default_value_t = 256)]
     pub draft_cache_mb: usize,
 
     /// Generations' draft rounds the draft engine batches into one step. 1: on CPU, mistral.rs's

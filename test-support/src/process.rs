@@ -60,6 +60,11 @@ impl Server {
         crate::rss_mb(self.child.id())
     }
 
+    /// The process's threads now (0 where /proc cannot tell).
+    pub fn threads(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/task", self.child.id())).map_or(0, |d| d.count())
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }

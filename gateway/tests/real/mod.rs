@@ -47,11 +47,12 @@ pub async fn start_verifier() -> Server {
     start_verifier_on(0, &[]).await
 }
 
-/// A gateway drafting with the tiny model; waits for /health unless `wait` is false.
+/// A gateway drafting with the tiny model unless `extra` names one; waits for /health unless `wait` is false.
 pub async fn spawn_gateway(verifier: &str, extra: &[&str], wait: bool) -> Server {
     let tiny = tiny();
-    let mut args = vec!["--draft-model", tiny.to_str().unwrap(), "--verifier-url", verifier];
-    args.extend(unless_given(extra, &[("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")]));
+    let mut args = vec!["--verifier-url", verifier];
+    let defaults = [("--draft-model", tiny.to_str().unwrap()), ("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")];
+    args.extend(unless_given(extra, &defaults));
     args.extend_from_slice(extra);
     let gateway = Server::spawn(PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).as_path(), "gateway", 0, &args, &[("SPADE_VERIFIER_API_KEY", KEY)]);
     if wait {
