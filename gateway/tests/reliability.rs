@@ -390,36 +390,44 @@ async fn soak_500_requests_on_the_qwen_pair() {
     assert!(pass, "{observed}");
 }
 
-/// What a soak saw: per sample, requests done, RSS in MB of gateway and verifier, gateway threads.
+/// One look at both processes during a soak.
+struct Sample {
+    done: usize,
+    gateway_mb: f64,
+    verifier_mb: f64,
+    gateway_threads: usize,
+}
+
+/// What a soak saw: a sample every 50 requests.
 struct Soak {
-    samples: Vec<(usize, f64, f64, usize)>,
+    samples: Vec<Sample>,
     failures: usize,
     observed: String,
 }
 
-impl Soak {
-    fn halves(&self) -> (&[(usize, f64, f64, usize)], &[(usize, f64, f64, usize)]) {
-        self.samples.split_at(self.samples.len() / 2)
-    }
+fn peak(samples: &[Sample], f: fn(&Sample) -> f64) -> f64 {
+    samples.iter().map(f).fold(0.0, f64::max)
+}
 
-    fn peak(samples: &[(usize, f64, f64, usize)], f: fn(&(usize, f64, f64, usize)) -> f64) -> f64 {
-        samples.iter().map(f).fold(0.0, f64::max)
+impl Soak {
+    fn halves(&self) -> (&[Sample], &[Sample]) {
+        self.samples.split_at(self.samples.len() / 2)
     }
 
     /// Neither process's RSS peak grew by `mb` or more from the first half of the run to the second.
     fn grew_less_than(&self, mb: f64) -> bool {
         let (early, late) = self.halves();
-        Self::peak(late, |s| s.1) < Self::peak(early, |s| s.1) + mb && Self::peak(late, |s| s.2) < Self::peak(early, |s| s.2) + mb
+        peak(late, |s| s.gateway_mb) < peak(early, |s| s.gateway_mb) + mb && peak(late, |s| s.verifier_mb) < peak(early, |s| s.verifier_mb) + mb
     }
 
     fn peak_gateway_mb(&self) -> f64 {
-        Self::peak(&self.samples, |s| s.1)
+        peak(&self.samples, |s| s.gateway_mb)
     }
 
     /// The second half never ran more gateway threads than the first half's most, plus two.
     fn threads_flat(&self) -> bool {
         let (early, late) = self.halves();
-        Self::peak(late, |s| s.3 as f64) <= Self::peak(early, |s| s.3 as f64) + 2.0
+        peak(late, |s| s.gateway_threads as f64) <= peak(early, |s| s.gateway_threads as f64) + 2.0
     }
 }
 
@@ -444,13 +452,14 @@ async fn soak(verifier: &Server, gateway: &Server, total: usize) -> Soak {
         }
         done += 5;
         if done % 50 == 0 {
-            samples.push((done, gateway.rss_mb(), verifier.rss_mb(), gateway.threads()));
+            samples.push(Sample { done, gateway_mb: gateway.rss_mb(), verifier_mb: verifier.rss_mb(), gateway_threads: gateway.threads() });
         }
     }
-    let trace: Vec<String> = samples.iter().map(|(n, g, v, t)| format!("{n}: {g:.0}/{v:.0} MB, {t} threads")).collect();
+    let trace: Vec<String> =
+        samples.iter().map(|s| format!("{}: {:.0}/{:.0} MB, {} threads", s.done, s.gateway_mb, s.verifier_mb, s.gateway_threads)).collect();
     let mut soak = Soak { samples, failures, observed: String::new() };
     let (early, late) = soak.halves();
-    let peaks = |s: &[(usize, f64, f64, usize)]| (Soak::peak(s, |s| s.1), Soak::peak(s, |s| s.2));
+    let peaks = |s: &[Sample]| (peak(s, |s| s.gateway_mb), peak(s, |s| s.verifier_mb));
     let ((early_g, early_v), (late_g, late_v)) = (peaks(early), peaks(late));
     soak.observed = format!(
         "{done} requests in {:.0} s, {failures} failed; gateway/verifier RSS and gateway threads by request count: {}; RSS peak first half {early_g:.0}/{early_v:.0} MB, second half {late_g:.0}/{late_v:.0} MB",
