@@ -54,8 +54,8 @@ impl Default for DrafterOptions {
 }
 
 /// Finished rounds the prefix cache keeps: each running generation needs its last one, so up to
-/// this many generations interleave without re-prefilling (each entry is one KV buffer, ~13 MB for
-/// a 512-position Qwen 0.5B context).
+/// this many generations interleave without re-prefilling (each entry holds its context's KV rows,
+/// 24 KB a token for Qwen 0.5B; `DrafterOptions::cache_budget_bytes` bounds their sum).
 const CACHED_ROUNDS: usize = 32;
 
 struct Runner {
@@ -208,7 +208,8 @@ impl MistralDrafter {
     }
 }
 
-/// The dropped engine's KV buffers are large and many; ask glibc to hand the freed pages back.
+/// Freed buffers (a dropped engine's KV rows, loading's temporary copies) are large; ask glibc to
+/// hand their pages back.
 fn release_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
