@@ -7,6 +7,7 @@ use spade_core::SamplingParams;
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::DraftParams;
 use spade_engine::{Drafter, Role};
+use spade_test_support::threads;
 
 fn rss_mb() -> f64 {
     spade_test_support::rss_mb(std::process::id())
@@ -42,7 +43,7 @@ async fn soak_memory_and_threads_stay_bounded() {
     assert!(late < early + 450.0, "RSS peaks grew from {early} MB to {late} MB");
 
     // Twelve seeded generations on an idle drafter: twelve engine rebuilds.
-    let before = threads();
+    let before = threads(std::process::id());
     for _ in 0..12 {
         own.begin_generation(true).await;
         own.draft(&seq, 2, &params).await.unwrap();
@@ -50,11 +51,7 @@ async fn soak_memory_and_threads_stay_bounded() {
     }
     // The old engines' threads check for their end every 5 s.
     tokio::time::sleep(std::time::Duration::from_secs(7)).await;
-    let after = threads();
+    let after = threads(std::process::id());
     println!("threads: {before} before 12 engine rebuilds, {after} after");
     assert!(after <= before + 2, "engine rebuilds left threads behind: {before} -> {after}");
-}
-
-fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
 }

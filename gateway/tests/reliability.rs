@@ -369,9 +369,10 @@ async fn soak_500_requests_keeps_memory_bounded() {
     assert!(pass, "{}", soak.observed);
 }
 
-/// Issue 13's soak on the Qwen pair (tens of minutes on 2 cores; `bash scripts/fetch-models.sh pair`, then
-/// `cargo test -p spade-gateway --test reliability qwen_pair -- --ignored --nocapture`): the gateway's RSS stays below the draft model's file size + 300 MB, the draft engine is never rebuilt,
-/// and the gateway's thread count stays flat.
+/// Issue 13's soak on the Qwen pair: the gateway's RSS stays below the draft model's file size + 300 MB,
+/// the draft engine is never rebuilt, and the gateway's thread count stays flat. Tens of minutes on 2
+/// cores: `bash scripts/fetch-models.sh pair`, then
+/// `cargo test -p spade-gateway --test reliability qwen_pair -- --ignored --nocapture`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn soak_500_requests_on_the_qwen_pair() {

@@ -3,7 +3,7 @@
 //! - [`models`]: where the real test models are.
 //! - [`process`]: a server binary as a child process on a free loopback port, logs captured, killed on drop.
 //! - [`fake`]: deterministic scorer and edge model, for router tests only (everything else uses real models).
-//! - [`rss_mb`]: a process's resident memory; [`chi_square_critical`]: the statistical tests' bound.
+//! - [`rss_mb`], [`threads`]: a process's resident memory and thread count; [`chi_square_critical`]: the statistical tests' bound.
 
 pub mod fake;
 pub mod models;
@@ -17,6 +17,11 @@ pub fn rss_mb(pid: u32) -> f64 {
         .find(|l| l.starts_with("VmRSS:"))
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
         .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Threads of process `pid` now (0 where /proc cannot say).
+pub fn threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task")).map_or(0, |d| d.count())
 }
 
 /// Chi-square critical value at significance 1e-4 for `df` degrees of freedom (Wilson–Hilferty

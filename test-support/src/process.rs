@@ -60,9 +60,8 @@ impl Server {
         crate::rss_mb(self.child.id())
     }
 
-    /// The process's threads now (0 where /proc cannot tell).
     pub fn threads(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/task", self.child.id())).map_or(0, |d| d.count())
+        crate::threads(self.child.id())
     }
 
     pub fn log_text(&self) -> String {
