@@ -517,13 +517,20 @@ pub struct DraftController {
     choice: DraftChoice,
     /// Rounds of length 0 since the last probe.
     unprobed: u32,
+    /// Whether [`Self::keep_drafting`] may end a block before the chosen `d`.
+    early_stop: bool,
 }
 
 impl DraftController {
     /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the gateway-wide estimates.
     pub fn new(max_draft: usize, overlap: bool, seed: Estimates) -> Self {
         let choice = seed.best(max_draft, overlap);
-        Self { max_draft, overlap, estimates: seed, choice, unprobed: 0 }
+        Self { max_draft, overlap, estimates: seed, choice, unprobed: 0, early_stop: true }
+    }
+
+    /// Blocks always run to the chosen `d`: the draft's confidence never ends one early.
+    pub fn without_early_stop(self) -> Self {
+        Self { early_stop: false, ..self }
     }
 
     /// Chooses `d` for the next round from the current estimates.
@@ -543,6 +550,9 @@ impl DraftController {
         let (d, overlap) = (self.choice.draft.min(MAX_POSITIONS), self.overlap);
         if block.drafted >= d {
             return false;
+        }
+        if !self.early_stop {
+            return true;
         }
         let now = Candidate {
             drafted: block.drafted,
@@ -776,6 +786,11 @@ mod tests {
         // A mid-block low-confidence token stops it too.
         let mut block = BlockOdds::default();
         assert!(ctl.keep_drafting(&mut block, 0.97) && !ctl.keep_drafting(&mut block, 0.02));
+        // Without early stop the same low-confidence tokens run the block to the chosen length.
+        let ctl = ctl.without_early_stop();
+        let mut block = BlockOdds::default();
+        let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.02)).count();
+        assert_eq!(kept, d - 1, "drafted {d} tokens");
     }
 
     #[test]

@@ -18,7 +18,8 @@ pub enum DraftLength {
     Fixed(usize),
     /// Chosen by spade-core's [`DraftController`] up to `max`, starting from `seed`'s estimates
     /// (gateway-wide ones); every round's observations also go back into `seed`.
-    Auto { max: usize, seed: Arc<Mutex<Estimates>> },
+    /// `early_stop`: whether the draft's confidence may end a block before the chosen length.
+    Auto { max: usize, seed: Arc<Mutex<Estimates>>, early_stop: bool },
 }
 
 impl DraftLength {
@@ -48,9 +49,11 @@ impl Pacing {
     pub fn new(length: &DraftLength, overlap: bool) -> Self {
         match length {
             DraftLength::Fixed(n) => Self::Fixed(*n),
-            DraftLength::Auto { max, seed } => {
+            DraftLength::Auto { max, seed, early_stop } => {
                 let estimates = seed.lock().map(|e| e.clone()).unwrap_or_default();
-                Self::Auto { controller: Box::new(DraftController::new(*max, overlap, estimates)), shared: seed.clone() }
+                let controller = DraftController::new(*max, overlap, estimates);
+                let controller = if *early_stop { controller } else { controller.without_early_stop() };
+                Self::Auto { controller: Box::new(controller), shared: seed.clone() }
             }
         }
     }

@@ -48,6 +48,12 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_AHEAD", default_value_t = true, action = clap::ArgAction::Set)]
     pub draft_ahead: bool,
 
+    /// Under `auto`, end a block before its chosen length when the draft's confidence in the tokens
+    /// drafted so far says a longer block would commit fewer tokens per second. `false`: every block
+    /// runs to the chosen length.
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_EARLY_STOP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub draft_early_stop: bool,
+
     /// Most tokens in a sampled draft distribution q (sent with every draft token). 0 keeps the
     /// request's own truncation, which can mean the whole vocabulary: megabytes per call.
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_TOP_K", default_value_t = 32)]

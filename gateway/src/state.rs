@@ -22,6 +22,7 @@ pub struct Settings {
     /// Cap of `auto` and of a request's fixed length (with the verifier's `max_draft`).
     pub max_draft_len: usize,
     pub draft_ahead: bool,
+    pub draft_early_stop: bool,
     pub draft_top_k: u32,
     pub max_completion_tokens: Option<usize>,
     pub fallback: OfflineFallback,
@@ -67,6 +68,7 @@ impl Gateway {
                 draft_len: config.draft_len,
                 max_draft_len: config.max_draft_len,
                 draft_ahead: config.draft_ahead,
+                draft_early_stop: config.draft_early_stop,
                 draft_top_k: config.draft_top_k,
                 max_completion_tokens: config.max_completion_tokens,
                 fallback: config.offline_fallback,
