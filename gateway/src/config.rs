@@ -49,9 +49,9 @@ pub struct Config {
     pub draft_ahead: bool,
 
     /// Under `auto`, end a block before its chosen length when the draft's confidence in the tokens
-    /// drafted so far says a longer block would commit fewer tokens per second. `false`: every block
-    /// runs to the chosen length.
-    #[arg(long, env = "SPADE_GATEWAY_DRAFT_EARLY_STOP", default_value_t = true, action = clap::ArgAction::Set)]
+    /// drafted so far says a longer block would commit fewer tokens per second. Off by default: on the
+    /// 2-core benchmark `auto` did better without it (docs/benchmarks.md, "Early stop A/B").
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_EARLY_STOP", default_value_t = false, action = clap::ArgAction::Set)]
     pub draft_early_stop: bool,
 
     /// Most tokens in a sampled draft distribution q (sent with every draft token). 0 keeps the
