@@ -30,7 +30,8 @@
 //! committed token is drafted (usually the longest; see [`RATE_TOLERANCE`] for why). Within a block,
 //! [`DraftController::keep_drafting`] stops early when the draft's own confidence says the rest is unlikely
 //! to be accepted: with the acceptance of the tokens drafted so far estimated from their confidence, it
-//! goes on only while the same rule prefers some longer block (up to the chosen `d`) to ending here.
+//! goes on only while the same rule prefers some longer block (up to the chosen `d`) to ending here. A
+//! controller built [`DraftController::without_early_stop`] (the gateway's default) runs every block to `d`.
 //!
 //! All inputs are exponentially weighted online estimates ([`Estimates`]), so they follow drift (a route
 //! change moving the RTT from 20 to 150 ms) within a few rounds; acceptance rates average their first
