@@ -20,6 +20,14 @@ const CHUNK: usize = 256;
 /// Spare KV positions kept per layer, so a verify round's few appended rows rarely reallocate.
 const HEADROOM: usize = 64;
 
+/// Runs a forward pass on a rayon worker. From any other thread each parallel op of the pass (every
+/// matmul, attention) would be handed to the pool and waited for, a pair of context switches each;
+/// on a worker they run in place and the pass is handed over once. Where an op runs does not change
+/// its arithmetic.
+fn in_pool<R: Send>(pass: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| pass())
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RopeStyle {
     /// llama GGUF (llama.cpp permutes q/k so adjacent pairs rotate together).
@@ -212,6 +220,10 @@ impl Transformer {
     /// Appends `tokens` at positions `cache.len()..` and returns the logits of the last `n_logits`
     /// of them, `[n_logits][vocab]`.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], n_logits: usize) -> Vec<Vec<f32>> {
+        in_pool(|| self.forward_here(cache, tokens, n_logits))
+    }
+
+    fn forward_here(&self, cache: &mut KvCache, tokens: &[u32], n_logits: usize) -> Vec<Vec<f32>> {
         let first_kept = tokens.len() - n_logits;
         let mut finals: Vec<f32> = Vec::with_capacity(n_logits * self.cfg.hidden);
         for (c, chunk) in tokens.chunks(CHUNK).enumerate() {
@@ -229,6 +241,10 @@ impl Transformer {
     /// bit-identical to [`Self::forward`] on that part alone. The caller bounds the rows (the
     /// verifier's `--max-batch-rows`): unlike `forward`, this does not split them into chunks.
     pub fn forward_batch(&self, parts: &mut [Part<'_>], n_logits: &[usize]) -> Vec<Vec<Vec<f32>>> {
+        in_pool(|| self.forward_batch_here(parts, n_logits))
+    }
+
+    fn forward_batch_here(&self, parts: &mut [Part<'_>], n_logits: &[usize]) -> Vec<Vec<Vec<f32>>> {
         let d = self.cfg.hidden;
         let hidden = self.forward_rows(parts);
         let mut finals: Vec<f32> = Vec::with_capacity(n_logits.iter().sum::<usize>() * d);
