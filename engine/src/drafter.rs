@@ -248,7 +248,10 @@ fn new_request(
 ) -> NormalRequest {
     NormalRequest {
         messages,
-        sampling_params: mistralrs::SamplingParams { max_len: Some(max_len), ..mistralrs::SamplingParams::deterministic() },
+        // Temperature 0, not `deterministic()`'s None (which mistral.rs reads as 1.0): our processor
+        // forces the token, and at 0 mistral.rs takes it by argmax instead of a softmax, a top-k sort
+        // and a weighted draw over the whole vocabulary at every step.
+        sampling_params: mistralrs::SamplingParams { max_len: Some(max_len), temperature: Some(0.0), ..mistralrs::SamplingParams::deterministic() },
         response,
         return_logprobs: false,
         is_streaming: false,
