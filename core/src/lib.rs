@@ -11,6 +11,7 @@
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering both servers use.
+//! - [`fastmath`]: a vectorisable `e^x` for the per-vocabulary and per-score loops.
 //! - [`wire`]: the compact binary form of `/verify`.
 //! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
 //!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
@@ -19,6 +20,7 @@ pub mod batching;
 pub mod dist;
 pub mod draft_control;
 pub mod error;
+pub mod fastmath;
 pub mod grammar;
 pub mod limits;
 pub mod metrics;

@@ -9,6 +9,7 @@
 use candle_core::quantized::gguf_file::Content;
 use candle_core::Device;
 use rayon::prelude::*;
+use spade_core::fastmath;
 
 use super::qweight::QWeight;
 use crate::gguf::GgufFile;
@@ -310,7 +311,7 @@ impl Transformer {
             let h = rms_norm_rows(&x, &layer.ffn_norm, cfg.eps);
             let gate = layer.w_gate.forward(&h, m);
             let up = layer.w_up.forward(&h, m);
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| g / (1.0 + fastmath::exp(-g)) * u).collect();
             let down = layer.w_down.forward(&act, m);
             add_into(&mut x, &down);
         }
@@ -424,11 +425,9 @@ fn attention(cfg: &Config, q: &[f32], keys: &[f32], values: &[f32], start: usize
         let n = start + r + 1;
         let mut scores: Vec<f32> = (0..n).map(|j| dot(qv, &keys[(j * nkv + g) * hd..][..hd]) * scale).collect();
         let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
+        // The exponentials in a loop of their own, which vectorises; the sum in order.
+        scores.iter_mut().for_each(|s| *s = fastmath::exp(*s - max));
+        let sum: f32 = scores.iter().fold(0.0, |acc, s| acc + s);
         for (j, s) in scores.iter().enumerate() {
             let w = s / sum;
             for (od, vd) in o.iter_mut().zip(&values[(j * nkv + g) * hd..][..hd]) {
