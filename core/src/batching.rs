@@ -125,6 +125,42 @@ impl RowCost {
     }
 }
 
+/// The verifier's time for a forward pass of `rows` rows for one call, by `rows`: timed at start-up for each
+/// size up to a bound (the blocks gateways draft), then moved by every pass that scored one call alone. It is
+/// published in `/v1/info` ([`crate::protocol::ModelInfo::pass_ms`]), where a gateway's draft-length model
+/// takes it as its prior of the verifier's cost ([`crate::draft_control::Estimates::seed_verifier_passes`]):
+/// a CPU verifier's block costs nearly a step per row, a GPU's about one step whatever its rows, and a
+/// fresh gateway that assumes either spends its first rounds on the wrong length.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PassTimes {
+    /// Seconds; entry `i` is a pass of `i + 1` rows.
+    seconds: Vec<f64>,
+}
+
+impl PassTimes {
+    /// Weight of a new pass: one slow pass on a shared host moves a size's time a tenth of the way.
+    const GAIN: f64 = 0.1;
+
+    /// From start-up timings, entry `i` of `i + 1` rows; sizes past them are never tracked.
+    pub fn new(calibrated: &[Duration]) -> Self {
+        Self { seconds: calibrated.iter().map(Duration::as_secs_f64).collect() }
+    }
+
+    /// A pass of `rows` rows that scored one call took `seconds`.
+    pub fn observe(&mut self, rows: usize, seconds: f64) {
+        if let Some(t) = rows.checked_sub(1).and_then(|i| self.seconds.get_mut(i)) {
+            if seconds.is_finite() && seconds > 0.0 {
+                *t += Self::GAIN * (seconds - *t);
+            }
+        }
+    }
+
+    /// Milliseconds, entry `i` for `i + 1` rows.
+    pub fn milliseconds(&self) -> Vec<f64> {
+        self.seconds.iter().map(|s| s * 1e3).collect()
+    }
+}
+
 /// Whether the verifier takes `call` now, with `backlog_rows` rows of earlier calls still to score;
 /// otherwise the seconds to wait before asking again (at least 1: a `retry-after`).
 ///
@@ -310,6 +346,23 @@ mod tests {
         assert!(PassLimits { max_rows: 33, ..LIMITS }.check(17).is_err());
         assert!(PassLimits { max_sessions: 0, ..LIMITS }.check(1).is_err());
     }
+    #[test]
+    fn pass_times_follow_solo_passes_of_the_timed_sizes_only() {
+        let ms = Duration::from_millis;
+        let mut times = PassTimes::new(&[ms(50), ms(90)]);
+        assert_eq!(times.milliseconds(), vec![50.0, 90.0]);
+        times.observe(2, 0.190);
+        assert!((times.milliseconds()[1] - 100.0).abs() < 1e-9, "{:?}", times.milliseconds());
+        for bad in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
+            times.observe(1, bad);
+        }
+        times.observe(0, 1.0);
+        times.observe(3, 1.0);
+        assert_eq!(times.milliseconds().len(), 2, "untimed sizes are not tracked");
+        assert!((times.milliseconds()[0] - 50.0).abs() < 1e-9);
+        assert!(PassTimes::default().milliseconds().is_empty());
+    }
+
     #[test]
     fn row_cost_weights_large_passes_and_forgets() {
         let mut cost = RowCost::default();

@@ -414,27 +414,65 @@ impl Estimates {
 
     /// Adds `(rows, seconds)` to the decayed least-squares fit of `V` and refits `a, b >= 0`.
     fn fit_verify(&mut self, rows: f64, seconds: f64) {
-        let f = &mut self.fit;
-        for s in [&mut f.w, &mut f.x, &mut f.y, &mut f.xx, &mut f.xy] {
+        self.fit.decay();
+        self.fit.add(rows, seconds);
+        (self.verify_a_s, self.verify_b_s) = self.fit.solve(self.verify_b_s);
+    }
+
+    /// Takes the verifier's own pass times (`/v1/info`'s `pass_ms` in seconds: entry `i` for `i + 1`
+    /// rows) as what this gateway has not measured yet: block sizes it has not timed take them, and a
+    /// fit that has seen no call starts from them, as if they had been observed. Without them a fresh
+    /// gateway starts from the prior `V(rows) = 80 ms + 8 ms * rows`, about right for a GPU, while a CPU
+    /// verifier's block costs ~40 ms a row: `auto` then sent blocks of 5-7 drafts at RTT 0 for the dozen
+    /// rounds its fit took to learn the slope, ~15% of a 128-token generation's time. Calling it again
+    /// (each health check) changes nothing the gateway has measured.
+    pub fn seed_verifier_passes(&mut self, pass_s: &[f64]) {
+        let timed = || pass_s.iter().enumerate().filter(|(_, s)| s.is_finite() && **s > 0.0 && **s <= MAX_SAMPLE_S).map(|(i, &s)| (i + 1, s));
+        for (rows, seconds) in timed().take(MAX_POSITIONS + 1) {
+            if self.verify_by_rows.get(rows).copied().flatten().is_none() {
+                self.measure_verify(rows, seconds);
+            }
+        }
+        if self.fit.w == 0.0 {
+            for (rows, seconds) in timed() {
+                self.fit.add(rows as f64, seconds);
+            }
+            if self.fit.w > 0.0 {
+                (self.verify_a_s, self.verify_b_s) = self.fit.solve(self.verify_b_s);
+            }
+        }
+    }
+}
+
+impl Fit {
+    fn decay(&mut self) {
+        for s in [&mut self.w, &mut self.x, &mut self.y, &mut self.xx, &mut self.xy] {
             *s *= FIT_DECAY;
         }
-        f.w += 1.0;
-        f.x += rows;
-        f.y += seconds;
-        f.xx += rows * rows;
-        f.xy += rows * seconds;
-        let (mean_x, mean_y) = (f.x / f.w, f.y / f.w);
-        let sxx = (f.xx - f.x * mean_x).max(0.0);
-        let sxy = f.xy - f.x * mean_y;
-        let mut b = (sxy + FIT_RIDGE * self.verify_b_s) / (sxx + FIT_RIDGE);
+    }
+
+    fn add(&mut self, rows: f64, seconds: f64) {
+        self.w += 1.0;
+        self.x += rows;
+        self.y += seconds;
+        self.xx += rows * rows;
+        self.xy += rows * seconds;
+    }
+
+    /// `(a, b)`, both `>= 0`, of the weighted least-squares line, pulled towards `previous_b` by [`FIT_RIDGE`].
+    fn solve(&self, previous_b: f64) -> (f64, f64) {
+        let (mean_x, mean_y) = (self.x / self.w, self.y / self.w);
+        let sxx = (self.xx - self.x * mean_x).max(0.0);
+        let sxy = self.xy - self.x * mean_y;
+        let mut b = (sxy + FIT_RIDGE * previous_b) / (sxx + FIT_RIDGE);
         let mut a = mean_y - b * mean_x;
         if b < 0.0 {
             (a, b) = (mean_y, 0.0);
         }
         if a < 0.0 {
-            (a, b) = (0.0, (f.xy / f.xx).max(0.0));
+            (a, b) = (0.0, (self.xy / self.xx).max(0.0));
         }
-        (self.verify_a_s, self.verify_b_s) = (a, b);
+        (a, b)
     }
 }
 
@@ -832,6 +870,31 @@ mod tests {
             same.observe(&RoundObservation { drafted: 4, verifier_time: Some(Duration::from_millis(200)), ..Default::default() });
         }
         assert!(close(same.verify_b_s, 0.008) && close(same.verify_a_s, 0.2 - 5.0 * 0.008), "{same:?}");
+    }
+
+    #[test]
+    fn the_verifiers_pass_times_seed_what_the_gateway_has_not_measured() {
+        // A CPU verifier: 10 ms + 40 ms a row, as /v1/info reports it for 1-9 rows.
+        let cpu: Vec<f64> = (1..=9).map(|rows| 0.010 + 0.040 * rows as f64).collect();
+        let mut e = Estimates { alpha: vec![Rate::prior(0.8)], rtt_s: 0.0, ..Estimates::default() };
+        let prior_choice = DraftController::new(8, true, e.clone()).choose();
+        e.seed_verifier_passes(&cpu);
+        // The fit is pulled a little towards the prior slope (FIT_RIDGE).
+        assert!((e.verify_a_s - 0.010).abs() < 2e-4 && (e.verify_b_s - 0.040).abs() < 1e-4, "{e:?}");
+        assert!(close(e.verify_time(5), 0.210) && (e.verify_time(12) - 0.490).abs() < 1e-3);
+        // The prior (8 ms a row) sends long blocks at RTT 0; the verifier's own times do not.
+        let seeded_choice = DraftController::new(8, true, e.clone()).choose();
+        assert!(seeded_choice < prior_choice, "prior {prior_choice}, seeded {seeded_choice}");
+        // What the gateway measured stays; a later seed fills only sizes it has not timed.
+        e.observe(&RoundObservation { drafted: 1, accepted: 1, verifier_time: Some(Duration::from_millis(150)), ..Default::default() });
+        let (measured, a, b) = (e.verify_time(2), e.verify_a_s, e.verify_b_s);
+        e.seed_verifier_passes(&[0.5; 9]);
+        assert!(close(e.verify_time(2), measured) && close(e.verify_time(3), 0.130), "{e:?}");
+        assert!(close(e.verify_a_s, a) && close(e.verify_b_s, b));
+        // Nonsense entries are skipped, not learned.
+        let mut odd = Estimates::default();
+        odd.seed_verifier_passes(&[f64::NAN, -1.0, 0.0, f64::INFINITY, 1e9]);
+        assert!(odd.verify_by_rows.iter().all(Option::is_none) && odd.fit.w == 0.0 && close(odd.verify_b_s, 0.008), "{odd:?}");
     }
 
     #[test]

@@ -118,6 +118,12 @@ pub struct ModelInfo {
     /// refuses requests that need one its verifier lacks.
     #[serde(default)]
     pub features: Vec<String>,
+    /// The verifier's own time for a forward pass of one call's block, in milliseconds: entry `i` for
+    /// `i + 1` rows (a block of `i` drafts), timed at start-up and updated as it serves
+    /// ([`crate::batching::PassTimes`]). Gateways start their `auto` draft length's cost model from it.
+    /// Empty from a verifier that does not time its passes.
+    #[serde(default)]
+    pub pass_ms: Vec<f64>,
 }
 
 /// Most rows by which a draft's and a target's logits may differ: padding rows past their shared

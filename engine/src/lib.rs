@@ -153,6 +153,33 @@ pub trait Scorer: Send + Sync {
     }
 }
 
+/// Context a timed pass scores after: a short prompt's worth, so attention costs what it does in a chat.
+const TIMING_CONTEXT: u32 = 64;
+
+/// The time of one forward pass of each block size `1..=max_rows` on a throwaway session (the fastest
+/// of two, since another process can only slow a pass), each after the same context with logits for
+/// every row, as a verify call's block is scored: entry `i` for `i + 1` rows.
+pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time::Duration>, EngineError> {
+    let vocab = scorer.meta().vocab_size.clamp(1, 30_000);
+    let tokens: Vec<u32> = (0..TIMING_CONTEXT + max_rows as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let context = TIMING_CONTEXT as usize;
+    let mut session = scorer.new_session();
+    // Also the first pass over the weights, which pays for faulting them in.
+    session.score(&tokens[..context], 1)?;
+    (1..=max_rows)
+        .map(|rows| {
+            let mut fastest = std::time::Duration::MAX;
+            for _ in 0..2 {
+                session.truncate(context);
+                let started = std::time::Instant::now();
+                session.score(&tokens[..context + rows], rows)?;
+                fastest = fastest.min(started.elapsed());
+            }
+            Ok(fastest)
+        })
+        .collect()
+}
+
 /// One session's share of a [`Scorer::score_batch`] pass.
 pub struct BatchJob<'a> {
     pub session: &'a mut dyn ScoreSession,

@@ -160,8 +160,10 @@ pub async fn run(
     let mut state = Loop { seq: prompt.to_vec(), stats, params, sink, can_draft_alone: drafter.is_some() };
     let mut pacing = Pacing::new(&params.draft_len, params.draft_ahead);
     let drafting = drafter.filter(|_| params.draft_len.max() > 0);
-    // Drafted during the last verify call, for the current prefix.
+    // Drafted during the last verify call, for the current prefix; and whether that was the first
+    // call, during which the draft model also processed the prompt before the block's first token.
     let mut ahead: Option<Block> = None;
+    let mut ahead_processed_prompt = false;
     let mut first = true;
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
@@ -179,6 +181,7 @@ pub async fn run(
         };
         let round_started = Instant::now();
         let from_ahead = ahead.is_some();
+        let start_includes_prompt = from_ahead && std::mem::take(&mut ahead_processed_prompt);
         let block = match (drafter, ahead.take()) {
             (Some(_), Some(pre)) => Some(pre.without_guess(d)),
             (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
@@ -227,7 +230,7 @@ pub async fn run(
             }
         };
         let latency = call_started.elapsed();
-        let prefilled = std::mem::replace(&mut first, false);
+        let first_call = std::mem::replace(&mut first, false);
         let verified = match state.check(verified, drafts)? {
             Some(verified) => verified,
             None => continue,
@@ -251,12 +254,18 @@ pub async fn run(
                 guess_matched = Some(matched);
                 if matched {
                     ahead = Some(next);
+                    ahead_processed_prompt = first_call;
                 }
             }
         }
-        // The first call prefills the prompt: its time says nothing about a block's cost per round.
-        if !prefilled {
-            pacing.observe(&observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched));
+        // The first call prefills the prompt: its time says nothing about a block's cost per round,
+        // nor does the start of the block drafted ahead during it (~1 s of the draft's prompt here).
+        if !first_call {
+            let mut round = observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched);
+            if start_includes_prompt {
+                round.draft_start = Duration::ZERO;
+            }
+            pacing.observe(&round);
         }
         // One line per round (`--log spade_engine=debug`): what auto chose, on which cost model, and what came of it.
         let model = pacing.choice();

@@ -105,6 +105,8 @@ impl Gateway {
                 return VerifierStatus::Mismatch(format!("the verifier's model {} cannot be drafted for by {}: {why}", info.model, draft.name));
             }
             *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
+            let pass_s: Vec<f64> = info.pass_ms.iter().map(|ms| ms / 1e3).collect();
+            self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).seed_verifier_passes(&pass_s);
         }
         VerifierStatus::Ready(info)
     }

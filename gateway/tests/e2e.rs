@@ -232,11 +232,22 @@ async fn verifier_killed_mid_stream_ends_with_an_error_or_degrades() {
 }
 
 /// `spade.draft_len` per request: 0 is target-only (one verify call per token), a number is used as is,
-/// `auto` reports its choice; out-of-range and malformed values are refused by name.
+/// `auto` starts from the verifier's own pass times and reports its choice; out-of-range and malformed
+/// values are refused by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_request_draft_len_is_honoured_and_checked() {
     let verifier = start_verifier_on(0, &["--max-draft", "6"]).await;
     let gateway = start_gateway(&verifier.url, &["--max-draft-len", "8"]).await;
+    // The verifier timed blocks of 1..=7 rows (--max-draft 6 caps the default 9); before any request the
+    // gateway's cost model is their least-squares line, which passes through their mean at 4 rows
+    // (unless its intercept came out negative and was clamped to 0).
+    let info: Value = reqwest::Client::new().get(format!("{}/v1/info", verifier.url)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    let pass_s: Vec<f64> = info["pass_ms"].as_array().unwrap().iter().map(|ms| ms.as_f64().unwrap() / 1e3).collect();
+    assert!(pass_s.len() == 7 && pass_s.iter().all(|&s| s > 0.0 && s < 10.0), "{info}");
+    let (a, b) = (metric(&gateway.url, "spade_gateway_auto_verify_base_seconds").await, metric(&gateway.url, "spade_gateway_auto_verify_row_seconds").await);
+    let mean = pass_s.iter().sum::<f64>() / 7.0;
+    assert!(a == 0.0 || (a + 4.0 * b - mean).abs() < 1e-6, "a {a}, b {b}, pass times {pass_s:?}");
+    assert!((b - 0.008).abs() > 1e-9, "b is still the prior: {b}");
     let ask = |draft_len: Value| req(PROMPTS[0], json!({"max_tokens": 24, "spade": {"draft_len": draft_len}}));
     let target_only = complete(&gateway.url, &ask(json!(0))).await;
     let spade = &target_only["usage"]["spade"];

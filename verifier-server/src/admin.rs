@@ -39,7 +39,8 @@ pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
     (status = 503, description = "Model still loading", body = ErrorBody),
 ), security(("bearer" = [])))]
 pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiError> {
-    let meta = state.scorer()?.meta().clone();
+    let target = state.target()?;
+    let meta = target.scorer.meta().clone();
     Ok(Json(ModelInfo {
         model: state.model_id.clone(),
         vocab_size: meta.vocab_size,
@@ -48,6 +49,7 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
         max_draft: u32::try_from(state.limits.max_draft).unwrap_or(u32::MAX),
         max_top_logprobs: state.limits.max_top_logprobs,
         features: vec![FEATURE_PENALTIES.to_string(), FEATURE_GRAMMAR.to_string(), FEATURE_BINARY.to_string()],
+        pass_ms: target.batcher.load.pass_ms(),
     }))
 }
 

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::batching::{admit, plan_pass, PassLimits, PromptLine, RowCost, Waiting};
+use spade_core::batching::{admit, plan_pass, PassLimits, PassTimes, PromptLine, RowCost, Waiting};
 use spade_engine::{BatchJob, EngineError, Logits, ScoreSession, Scorer};
 use tokio::sync::{oneshot, OwnedMutexGuard};
 
@@ -47,17 +47,23 @@ struct Call {
 }
 
 /// What the scoring thread and the handlers share: the rows every call sent and not yet answered
-/// still needs, and what a row costs.
+/// still needs, what a row costs, and what a pass of one call's block costs by its rows.
 #[derive(Default)]
 pub struct Load {
     rows: AtomicUsize,
     cost: Mutex<RowCost>,
+    pass_times: Mutex<PassTimes>,
 }
 
 impl Load {
     /// Seconds the rows waiting now take to score at the measured cost (0 before the first pass).
     pub fn backlog_seconds(&self) -> f64 {
         self.rows.load(Ordering::SeqCst) as f64 * self.row_cost().seconds_per_row().unwrap_or(0.0)
+    }
+
+    /// A pass of one call's block by rows, in milliseconds (`/v1/info`'s `pass_ms`).
+    pub fn pass_ms(&self) -> Vec<f64> {
+        self.pass_times.lock().unwrap_or_else(|p| p.into_inner()).milliseconds()
     }
 
     fn row_cost(&self) -> RowCost {
@@ -86,9 +92,10 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    pub fn start(scorer: Arc<dyn Scorer>, limits: PassLimits, max_backlog_secs: f64, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+    /// `pass_times`: the block sizes timed at start-up, which passes of one call go on updating.
+    pub fn start(scorer: Arc<dyn Scorer>, limits: PassLimits, max_backlog_secs: f64, metrics: Arc<Metrics>, pass_times: PassTimes) -> std::io::Result<Self> {
         let (calls, queue) = mpsc::channel();
-        let load = Arc::new(Load::default());
+        let load = Arc::new(Load { pass_times: Mutex::new(pass_times), ..Load::default() });
         let shared = load.clone();
         std::thread::Builder::new().name("spade-batcher".into()).spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
         Ok(Self { calls, limits, max_backlog_secs, line: Mutex::default(), load })
@@ -166,6 +173,9 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
         let (rows, elapsed) = (plan.iter().sum(), started.elapsed());
         metrics.record_pass(joined.len(), rows, elapsed);
         load.cost.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
+        if joined.len() == 1 {
+            load.pass_times.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
+        }
         for (call, &rows) in waiting.iter_mut().zip(&plan) {
             call.left -= rows;
         }

@@ -51,6 +51,14 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_MAX_DRAFT", default_value_t = DEFAULT_MAX_DRAFT)]
     pub max_draft: usize,
 
+    /// At start-up, time one forward pass of each block size up to this many rows (a block of d drafts
+    /// has d + 1; at most --max-draft + 1) and report the times in /v1/info (`pass_ms`), where gateways
+    /// start their `auto` draft length's cost model; they are updated as calls are served. Two passes
+    /// a size: about 45 rows' compute for the default, a couple of seconds for an 8B model on CPU.
+    /// 0 times none.
+    #[arg(long, env = "SPADE_VERIFIER_TIME_PASSES", default_value_t = 9)]
+    pub time_passes: usize,
+
     // Binding anything but loopback requires --api-key (see `check`).
     #[command(flatten)]
     pub server: ServerArgs<VerifierFlags>,
@@ -77,6 +85,11 @@ impl Config {
             return Err("--max-draft must be at least 1".into());
         }
         self.pass_limits().check(self.max_draft + 1).map_err(|e| format!("--max-batch-sessions, --max-batch-rows, --prefill-chunk: {e}"))
+    }
+
+    /// Block sizes timed at start-up: `1..=` this.
+    pub fn timed_rows(&self) -> usize {
+        self.time_passes.min(self.max_draft.saturating_add(1))
     }
 
     pub fn pass_limits(&self) -> PassLimits {

@@ -3,6 +3,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
+use spade_core::batching::PassTimes;
 use spade_engine::{CandleScorer, ModelSource};
 use spade_verifier::openapi::ApiDoc;
 use spade_verifier::{router, Config, Verifier};
@@ -23,16 +24,22 @@ async fn main() -> ExitCode {
     tracing::info!(auth = state.http.api_key.is_some(), max_draft = config.max_draft, "verifier starting");
     // /health answers 503 until the model is loaded.
     let model = config.model.clone().unwrap_or_default();
-    spade_http::run(config.server.addr(), router(state.clone()), load(model, state)).await
+    spade_http::run(config.server.addr(), router(state.clone()), load(model, config.timed_rows(), state)).await
 }
 
-/// Loads on a blocking thread: reading and preparing the weights is CPU and disk work.
-async fn load(model: String, state: Arc<Verifier>) -> Result<(), String> {
+/// Loads on a blocking thread, then times blocks of `1..=timed_rows` rows: reading and preparing the
+/// weights and scoring are CPU and disk work.
+async fn load(model: String, timed_rows: usize, state: Arc<Verifier>) -> Result<(), String> {
     let source = ModelSource::parse(&model).map_err(|e| format!("cannot load {model}: {e}"))?;
-    let scorer = tokio::task::spawn_blocking(move || CandleScorer::load_source(&source))
-        .await
-        .map_err(|e| format!("the loading task failed: {e}"))?
-        .map_err(|e| format!("cannot load {model}: {e}"))?;
-    tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded; ready");
-    state.load_model(Arc::new(scorer)).map_err(|e| format!("cannot start the scoring thread: {e}"))
+    let (scorer, pass_times) = tokio::task::spawn_blocking(move || {
+        let scorer = CandleScorer::load_source(&source).map_err(|e| format!("cannot load {model}: {e}"))?;
+        tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded");
+        let times = spade_engine::time_passes(&scorer, timed_rows).map_err(|e| format!("cannot time forward passes of {model}: {e}"))?;
+        Ok::<_, String>((scorer, PassTimes::new(&times)))
+    })
+    .await
+    .map_err(|e| format!("the loading task failed: {e}"))??;
+    let pass_ms: Vec<u64> = pass_times.milliseconds().iter().map(|ms| ms.round() as u64).collect();
+    tracing::info!(?pass_ms, "passes of 1, 2, … rows timed; ready");
+    state.load_model(Arc::new(scorer), pass_times).map_err(|e| format!("cannot start the scoring thread: {e}"))
 }

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use spade_core::batching::PassLimits;
+use spade_core::batching::{PassLimits, PassTimes};
 use spade_core::limits::{MAX_SESSION_ID_LEN, MAX_TOP_LOGPROBS};
 use spade_engine::Scorer;
 use spade_http::{HttpSettings, ModelSlot};
@@ -58,9 +58,9 @@ impl Verifier {
         }
     }
 
-    /// Serves `scorer` from now on, starting its scoring thread.
-    pub fn load_model(&self, scorer: Arc<dyn Scorer>) -> std::io::Result<()> {
-        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.max_backlog_secs, self.metrics.clone())?;
+    /// Serves `scorer` from now on, starting its scoring thread; `pass_times`: its blocks timed at start-up.
+    pub fn load_model(&self, scorer: Arc<dyn Scorer>, pass_times: PassTimes) -> std::io::Result<()> {
+        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.max_backlog_secs, self.metrics.clone(), pass_times)?;
         self.target_model.set(Arc::new(Target { scorer, batcher }));
         Ok(())
     }

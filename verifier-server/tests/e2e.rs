@@ -69,6 +69,9 @@ async fn verify_equals_the_rule_on_the_scorers_logits() {
     let info: Value = client.get(format!("{}/v1/info", server.url)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
     assert_eq!(info["tokenizer_fingerprint"].as_str(), Some(scorer.meta().tokenizer_fingerprint.as_str()));
     assert_eq!(info["vocab_size"].as_u64(), Some(scorer.meta().vocab_size as u64));
+    // Blocks of 1..=9 rows were timed at start-up (--time-passes 9 by default).
+    let pass_ms = info["pass_ms"].as_array().expect("pass_ms");
+    assert!(pass_ms.len() == 9 && pass_ms.iter().all(|ms| ms.as_f64().is_some_and(|ms| ms > 0.0 && ms < 10_000.0)), "{info}");
 }
 
 /// With more scoring waiting than --max-backlog-secs, a new prompt gets 429 `verifier_busy` with a

@@ -35,7 +35,7 @@ fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
     args.extend_from_slice(extra);
     let verifier = Arc::new(Verifier::new(&Config::parse_from(args)));
     if ready {
-        verifier.load_model(Arc::new(scorer())).unwrap();
+        verifier.load_model(Arc::new(scorer()), Default::default()).unwrap();
     }
     verifier
 }

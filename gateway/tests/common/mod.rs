@@ -33,7 +33,7 @@ pub async fn start_verifier(scorer: FakeScorer, extra: &[&str]) -> Running {
     let mut args = vec!["spade-verifier", "--model", "fake.gguf", "--api-key", "vkey"];
     args.extend_from_slice(extra);
     let verifier = Arc::new(spade_verifier::Verifier::new(&spade_verifier::Config::parse_from(args)));
-    verifier.load_model(Arc::new(scorer)).expect("scoring thread");
+    verifier.load_model(Arc::new(scorer), Default::default()).expect("scoring thread");
     serve(spade_verifier::router(verifier)).await
 }
 
