@@ -545,6 +545,10 @@ impl Default for BlockOdds {
 /// Rounds of length 0 per probe (see the module docs): each probe drafts while the verifier computes, which
 /// costs nothing on separate machines but slows a verifier sharing the host's memory by a few percent.
 const PROBE_EVERY: u32 = 4;
+/// Every round of length 0 probes until the first draft position has this many outcomes: a fresh
+/// gateway's acceptance is its prior (0.7), which at a low RTT chooses 0, and probing only every
+/// [`PROBE_EVERY`]th round kept a text the draft predicts well at 0 for a dozen rounds.
+const LEARNING_OUTCOMES: u32 = 4;
 
 /// One generation's draft-length controller: call [`choose`](Self::choose) before each block,
 /// [`keep_drafting`](Self::keep_drafting) after each drafted token, [`observe`](Self::observe) after the call.
@@ -602,10 +606,12 @@ impl DraftController {
         e.pick(std::iter::once(now).chain(e.longer_blocks(now, d, overlap))).is_some_and(|(chosen, _)| chosen.drafted > block.drafted)
     }
 
-    /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round.
+    /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
+    /// every one while the first position's acceptance has fewer than [`LEARNING_OUTCOMES`] outcomes.
     pub fn probe(&mut self) -> bool {
         self.unprobed += 1;
-        let due = self.unprobed >= PROBE_EVERY;
+        let learning = self.estimates.alpha.first().is_none_or(|rate| rate.outcomes < LEARNING_OUTCOMES);
+        let due = learning || self.unprobed >= PROBE_EVERY;
         if due {
             self.unprobed = 0;
         }
@@ -751,6 +757,8 @@ mod tests {
     fn probes_at_length_zero_bring_drafting_back_when_guesses_match() {
         let mut ctl = DraftController::new(8, true, est(0.1, 15.0, 100.0, 20.0, 45.0));
         assert_eq!(ctl.choose(), 0);
+        // A fresh gateway probes every round until the first position has a few outcomes.
+        assert!((0..LEARNING_OUTCOMES).all(|_| ctl.probe()));
         let probe = |matched| RoundObservation { ahead_guess: Some(matched), ..Default::default() };
         let rounds = (0..30).take_while(|_| {
             ctl.observe(&probe(true));
