@@ -20,6 +20,8 @@ pub struct Context<'a> {
     pub plan: &'a Plan,
     /// How the servers were placed (pinning, threads), one line each; warnings first.
     pub setup: &'a [String],
+    /// The verifier's forward pass of one call's block by rows (entry i: i + 1 rows), in ms, at the end of the run.
+    pub verifier_pass_ms: &'a [f64],
 }
 
 fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
@@ -113,6 +115,22 @@ fn speed_table(out: &mut String, rows: &[SpeedRow], first: &dyn Fn(&SpeedRow) ->
             if r.min_tokens as f64 == r.mean_tokens { r.min_tokens.to_string() } else { format!("{:.0} (min {})", r.mean_tokens, r.min_tokens) },
         );
     }
+}
+
+/// The verifier's pass time by block rows, as multiples of one row's: what a verify round's largest term
+/// is made of, beside the compute floor's figures.
+fn verifier_passes(out: &mut String, pass_ms: &[f64]) {
+    let Some(&single) = pass_ms.first().filter(|&&ms| ms > 0.0) else { return };
+    let sizes: Vec<String> = pass_ms.iter().enumerate().map(|(i, ms)| format!("{} {ms:.0} ms ({:.1}x)", i + 1, ms / single)).collect();
+    let _ = writeln!(
+        out,
+        "\nThe verifier's forward pass of one call's block, by rows (its `/v1/info` `pass_ms` after the run: timed at start-up, then updated by \
+         every pass that scored one call alone), and as a multiple of one row's: {}. A block of d drafts is d + 1 rows. Where a block costs \
+         nearly a single step per row, drafting saves calls but little verifier time, and the speed-up is bounded by the link's share of a \
+         target-only step. The compute floor beside it (our kernels against llama.cpp on the same files and thread count) is \
+         `bash bench/compute-floor.sh` (docs/benchmarks.md).",
+        sizes.join(" · ")
+    );
 }
 
 fn drift_label(plan: &Plan) -> String {
@@ -219,6 +237,7 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
                 v.dominant.as_deref().unwrap_or("—")
             );
         }
+        verifier_passes(&mut out, ctx.verifier_pass_ms);
     }
 
     let _ = writeln!(

@@ -254,6 +254,16 @@ impl<'a> Runner<'a> {
         Ok(VerifierCounters::from_scrape(&Scrape::parse(&text)))
     }
 
+    /// The verifier's time for a pass of one call's block by rows (`/v1/info`'s `pass_ms`: timed at
+    /// start-up, updated by every pass that scored one call), or empty when it cannot be read.
+    pub async fn verifier_pass_ms(&self) -> Vec<f64> {
+        let info = async {
+            let r = self.client.get(format!("{}/v1/info", self.verifier.url)).bearer_auth(VERIFIER_KEY).send().await?.error_for_status()?;
+            anyhow::Ok(r.json::<spade_core::protocol::ModelInfo>().await?)
+        };
+        info.await.map(|i| i.pass_ms).unwrap_or_default()
+    }
+
     /// One line per batch, with the ETA scaled by how fast the run has gone against the estimate.
     fn progress(&self, r: &BatchResult) {
         let elapsed = self.started.elapsed().as_secs_f64();

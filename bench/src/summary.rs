@@ -828,6 +828,7 @@ mod tests {
             wall_s: 60.0,
             plan: &plan,
             setup: &setup,
+            verifier_pass_ms: &[40.0, 72.0, 100.0],
         };
         let md = crate::report::render(&ctx, &s);
         for needle in [
@@ -843,6 +844,7 @@ mod tests {
             "| speculative auto | — | 2/2 | 1/1 | identical |",
             "| long | 160 | 160 | yes |",
             "- Setup: pinned",
+            "1 40 ms (1.0x) · 2 72 ms (1.8x) · 3 100 ms (2.5x)",
         ] {
             assert!(md.contains(needle), "missing {needle:?} in\n{md}");
         }

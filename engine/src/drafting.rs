@@ -90,6 +90,16 @@ impl Pacing {
         }
     }
 
+    /// The first call's link time (it processes the prompt, so it is no round to model otherwise).
+    pub fn observe_link(&mut self, call_latency: Duration, verifier_time: Duration) {
+        if let Self::Auto { controller, shared } = self {
+            controller.observe_link(call_latency, verifier_time);
+            if let Ok(mut shared) = shared.lock() {
+                shared.observe_link(call_latency, verifier_time);
+            }
+        }
+    }
+
     pub fn choice(&self) -> Option<DraftChoice> {
         match self {
             Self::Fixed(_) => None,

@@ -266,6 +266,8 @@ pub async fn run(
                 round.draft_start = Duration::ZERO;
             }
             pacing.observe(&round);
+        } else if let Some(verifier_time) = verified.verifier_time {
+            pacing.observe_link(latency, verifier_time);
         }
         // One line per round (`--log spade_engine=debug`): what auto chose, on which cost model, and what came of it.
         let model = pacing.choice();

@@ -280,6 +280,7 @@ fn write_results(out: &Path, ctx: &ReportContext, summary: &Summary, results: &[
             "rtts_ms": ctx.plan.rtts_ms,
         },
         "wall_s": ctx.wall_s,
+        "verifier_pass_ms": ctx.verifier_pass_ms,
         "error": error,
         "summary": summary,
         "batches": results,
@@ -362,6 +363,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let error = outcome.err().map(|e| format!("{e:#}"));
     let results = std::mem::take(&mut runner.results);
+    let pass_ms = runner.verifier_pass_ms().await;
     setup_lines.extend(runner.placement.iter().map(|p| format!("as run: {p}")));
     drop(runner); // stops the verifier and the proxy
                   // The run's links to the server binaries were only needed while it ran.
@@ -379,6 +381,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         wall_s: started.elapsed().as_secs_f64(),
         plan: &plan,
         setup: &setup_lines,
+        verifier_pass_ms: &pass_ms,
     };
     write_results(&out, &ctx, &summary, &results, error.as_deref())?;
     println!("\n{}", std::fs::read_to_string(out.join("results.md"))?);
