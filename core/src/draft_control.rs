@@ -46,9 +46,14 @@ use utoipa::ToSchema;
 
 /// Buckets of the acceptance-by-confidence table, of equal width over `[0, 1]`.
 const BUCKETS: usize = 10;
-/// Weight of a new acceptance outcome (by position, by confidence, bonus guess) once a rate has seen a few:
-/// a generation whose text drafts unlike the gateway-wide average moves half-way to its own rate within ~4 outcomes.
-const ACCEPT_GAIN: f64 = 0.15;
+/// Weight of a new acceptance outcome (by position, by confidence, bonus guess) once a rate has seen enough
+/// (a memory of ~17 outcomes). With 0.15 one rejection moved `alpha_0` from 0.97 to 0.82, and on a CPU
+/// verifier at a low RTT, where the best length turns on whether `alpha` is 0.85 or 0.93, `auto` swung
+/// between 1 and 5 drafts on a text the draft predicts well (per-round log, bench quick-dec2-sticky).
+const ACCEPT_GAIN: f64 = 0.06;
+/// Outcomes a generation's copy of the gateway-wide rates counts theirs as: it learns its own text from
+/// there (gains 1/7, 1/8, …), moving half-way to its own rate within ~7 outcomes.
+const SEED_OUTCOMES: u32 = 4;
 /// Outcomes a rate's prior is worth: its first outcomes are averaged with the prior as with this many
 /// earlier ones (gains 1/3, 1/4, … down to [`ACCEPT_GAIN`]), so a fresh gateway learns a text's
 /// acceptance within a few rounds instead of the ~15 a constant gain needs to leave the prior.
@@ -182,6 +187,11 @@ struct Rate {
 impl Rate {
     const fn prior(value: f64) -> Self {
         Self { value, outcomes: 0 }
+    }
+
+    /// The rate as a generation's starting point ([`SEED_OUTCOMES`]).
+    fn as_seed(self) -> Self {
+        Self { outcomes: self.outcomes.min(SEED_OUTCOMES), ..self }
     }
 
     fn learn(&mut self, outcome: f64) {
@@ -599,8 +609,12 @@ pub struct DraftController {
 }
 
 impl DraftController {
-    /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the gateway-wide estimates.
-    pub fn new(max_draft: usize, overlap: bool, seed: Estimates) -> Self {
+    /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the
+    /// gateway-wide estimates (their acceptance rates count as at most [`SEED_OUTCOMES`] outcomes here).
+    pub fn new(max_draft: usize, overlap: bool, mut seed: Estimates) -> Self {
+        for rate in seed.alpha.iter_mut().chain([&mut seed.beta, &mut seed.any_confidence]).chain(seed.by_confidence.iter_mut()) {
+            *rate = rate.as_seed();
+        }
         let choice = seed.best(max_draft, overlap, None);
         Self { max_draft, overlap, estimates: seed, choice, unprobed: 0, early_stop: true }
     }
@@ -791,7 +805,7 @@ mod tests {
         // What the new RTT makes fastest, or a length kept because it is as fast (within the tolerance).
         let (chosen, rate) = (ctl.choose(), |d: usize| e.expected_tokens(d) / e.round_time(d, true));
         assert!(chosen == want || rate(chosen) >= (1.0 - RATE_TOLERANCE) * rate(want), "{chosen} vs {want}");
-        assert!(chosen > before && want >= want_before && want > before, "{chosen}, {want} vs {want_before} / {before}");
+        assert!(want >= want_before && want > before, "{chosen}, {want} vs {want_before} / {before}");
     }
 
     #[test]
@@ -915,7 +929,7 @@ mod tests {
     #[test]
     fn equal_confidences_defer_to_acceptance_by_position() {
         let mut e = Estimates::default();
-        for _ in 0..40 {
+        for _ in 0..80 {
             // Every confidence the same (as under greedy decoding without a softmax). Position 0 always accepted, position 1 never.
             e.observe(&RoundObservation { drafted: 2, accepted: 1, confidences: vec![1.0, 1.0], ..Default::default() });
         }
