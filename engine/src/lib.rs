@@ -159,10 +159,12 @@ const TIMING_CONTEXT: u32 = 64;
 /// The time of one forward pass of each block size `1..=max_rows` on a throwaway session (the fastest
 /// of two, since another process can only slow a pass), each after the same context with logits for
 /// every row, as a verify call's block is scored: entry `i` for `i + 1` rows.
+/// A model with a short context times fewer sizes, after a shorter context.
 pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time::Duration>, EngineError> {
-    let vocab = scorer.meta().vocab_size.clamp(1, 30_000);
-    let tokens: Vec<u32> = (0..TIMING_CONTEXT + max_rows as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let context = TIMING_CONTEXT as usize;
+    let (vocab, max_context) = (scorer.meta().vocab_size.clamp(1, 30_000), scorer.meta().max_context as usize);
+    let max_rows = max_rows.min(max_context / 2);
+    let context = (TIMING_CONTEXT as usize).min(max_context - max_rows).max(1);
+    let tokens: Vec<u32> = (0..(context + max_rows) as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut session = scorer.new_session();
     // Also the first pass over the weights, which pays for faulting them in.
     session.score(&tokens[..context], 1)?;
