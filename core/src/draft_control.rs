@@ -670,6 +670,24 @@ impl DraftController {
         self.choice.draft
     }
 
+    /// Drafts to draw ahead during the call of a block of `sent` drafts: the chosen length, or more (up to
+    /// `max_draft`) while the draft model is expected to draw them before the call returns, with the guess
+    /// and one step to spare. Those cost no time, and a choice that lengthens once the call's outcome is
+    /// learned finds its block drafted: without them the block drafted ahead was sent at the old length,
+    /// a round lost at every lengthening (after the drift case's switch to 150 ms, blocks of 2, 4 and 5
+    /// went out where 5, 8 and 8 were chosen; per-round log, bench dbg-dec3-level). Nothing beyond the
+    /// choice when it is 0: that round drafts at most a guess.
+    pub fn ahead_len(&self, sent: usize) -> usize {
+        let e = &self.estimates;
+        let call = e.rtt_s + e.verify_time(sent.saturating_add(1));
+        // NaN (no drafting time measured yet) casts to 0.
+        let fits = ((call - e.t_start_s) / e.t_draft_s - 2.0).clamp(0.0, self.max_draft as f64) as usize;
+        match self.choice.draft {
+            0 => 0,
+            d => d.max(fits),
+        }
+    }
+
     /// Called after each drafted token of a block with the probability the draft gave it: whether to draft
     /// one more. False at the chosen `d`, or when ending the block here is what [`Estimates::pick`] would
     /// choose among it and the longer blocks up to `d`, given the draft's confidence in the tokens drafted so far.
@@ -1012,6 +1030,27 @@ mod tests {
         let mut block = BlockOdds::default();
         let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.02)).count();
         assert_eq!(kept, d - 1, "drafted {d} tokens");
+    }
+
+    #[test]
+    fn drafts_ahead_as_many_as_fit_under_the_call_and_at_least_the_choice() {
+        // Call of a 4-draft block: 100 ms link + 80 + 5 * 10 ms verifier = 230 ms; the draft's start 30 ms and
+        // 20 ms a step leave room for 10 steps, less the guess and one to spare.
+        let mut ctl = DraftController::new(16, true, Estimates { t_start_s: 30.0 * MS, ..est(0.8, 20.0, 100.0, 80.0, 10.0) });
+        let d = ctl.choose();
+        assert!(d > 0 && d <= 8, "{d}");
+        assert_eq!(ctl.ahead_len(4), 8);
+        // Capped by the verifier's limit, and never below the choice when the call is short.
+        let mut short = DraftController::new(6, true, Estimates { t_start_s: 30.0 * MS, ..est(0.8, 20.0, 100.0, 80.0, 10.0) });
+        short.choose();
+        assert_eq!(short.ahead_len(4), 6);
+        let mut slow_draft = DraftController::new(16, true, Estimates { t_start_s: 30.0 * MS, ..est(0.99, 200.0, 100.0, 80.0, 10.0) });
+        let d = slow_draft.choose();
+        assert!(d > 0);
+        assert_eq!(slow_draft.ahead_len(4), d);
+        // A choice of 0 draws nothing ahead beyond its probe's guess.
+        let mut hopeless = DraftController::new(16, true, est(0.01, 20.0, 100.0, 80.0, 10.0));
+        assert_eq!((hopeless.choose(), hopeless.ahead_len(0)), (0, 0));
     }
 
     #[test]
