@@ -66,15 +66,6 @@ impl Pacing {
     }
 
     /// After each drafted token of a block: whether one more is worth drafting.
-    /// Drafts to draw ahead during the call of a block of `sent` drafts when `chosen` are wanted next
-    /// ([`DraftController::ahead_len`]: more while they fit under the call).
-    pub fn ahead_len(&self, sent: usize, chosen: usize) -> usize {
-        match self {
-            Self::Fixed(_) => chosen,
-            Self::Auto { controller, .. } => controller.ahead_len(sent).max(chosen),
-        }
-    }
-
     pub fn keep_drafting(&self, block: &mut BlockOdds, confidence: f32) -> bool {
         match self {
             Self::Fixed(_) => true,
@@ -130,8 +121,6 @@ pub(crate) struct Block<'a> {
     dropped_guess: bool,
     /// Most block tokens wanted (the guess not counted).
     cap: usize,
-    /// Block tokens to draw (at least `cap`): a block drafted ahead may draw more, for a longer choice.
-    draw: usize,
     started: Instant,
     /// From the start to when the first token was drawn.
     first: Option<Duration>,
@@ -150,12 +139,10 @@ pub(crate) struct DraftTiming {
 }
 
 impl<'a> Block<'a> {
-    /// Starts drafting a block of up to `cap` tokens after `context` (plus a guess first when `guess`),
-    /// drawing on to `draw` tokens (if more than `cap`) in case a longer block is wanted by the time it is sent.
-    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, draw: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
+    /// Starts drafting up to `cap` tokens after `context` (plus a guess first when `guess`).
+    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
         let started = Instant::now();
-        let draw = draw.max(cap);
-        let stream = drafter.draft_stream(context, draw + usize::from(guess), params).await?;
+        let stream = drafter.draft_stream(context, cap + usize::from(guess), params).await?;
         Ok(Self {
             stream: Some(stream),
             tokens: Vec::new(),
@@ -163,7 +150,6 @@ impl<'a> Block<'a> {
             guess,
             dropped_guess: false,
             cap,
-            draw,
             started,
             first: None,
             odds: BlockOdds::default(),
@@ -176,10 +162,10 @@ impl<'a> Block<'a> {
         self.tokens.len().saturating_sub(usize::from(self.guess))
     }
 
-    /// Draws one more token; false once the block is complete (`draw` reached, an end-of-sequence
-    /// token, or the pacing says stop before `cap`).
+    /// Draws one more token; false once the block is complete (its cap reached, an end-of-sequence
+    /// token, or the pacing says stop).
     async fn pull(&mut self, pacing: &Pacing) -> Result<bool, EngineError> {
-        if self.tokens.len() >= self.draw + usize::from(self.guess) {
+        if self.tokens.len() >= self.cap + usize::from(self.guess) {
             self.stream = None;
         }
         let Some(stream) = self.stream.as_mut() else { return Ok(false) };
@@ -191,8 +177,7 @@ impl<'a> Block<'a> {
         self.confidences.push(drawn.confidence);
         self.busy = drawn.at.saturating_duration_since(self.started);
         self.first.get_or_insert(self.busy);
-        // The pacing's early stop judges the block it was drafted for; tokens drawn past `cap` are spare.
-        if (1..self.cap).contains(&self.drafted()) && !pacing.keep_drafting(&mut self.odds, drawn.confidence) {
+        if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, drawn.confidence) {
             self.stream = None;
         }
         Ok(self.stream.is_some())
@@ -239,7 +224,7 @@ impl<'a> Block<'a> {
             self.dropped_guess = true;
         }
         self.guess = false;
-        (self.cap, self.draw) = (cap, cap);
+        self.cap = cap;
         self
     }
 

@@ -184,7 +184,7 @@ pub async fn run(
         let start_includes_prompt = from_ahead && std::mem::take(&mut ahead_processed_prompt);
         let block = match (drafter, ahead.take()) {
             (Some(_), Some(pre)) => Some(pre.without_guess(d)),
-            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, d, false, &params.draft).await?),
+            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
             _ => None,
         };
         let drafted = match block {
@@ -198,7 +198,6 @@ pub async fn run(
 
         // Draft ahead during the call: a guess for the token after the block, then the next block. When
         // the next block is to be empty (`auto` chose 0), the guess alone still probes the draft's acceptance.
-        // `auto` draws on past its choice while that fits under the call, for a choice that lengthens.
         // Not while other generations draft: drafting that may be thrown away must not delay theirs.
         let after = remaining.saturating_sub(drafts.len() + 1);
         let next_d = if after > 1 { pacing.choose().min(after - 1) } else { 0 };
@@ -209,8 +208,7 @@ pub async fn run(
             {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
-                let draw = pacing.ahead_len(drafts.len(), next_d).min(after - 1);
-                Some(Block::start(drafter, &context, next_d, draw, true, &params.draft).await?)
+                Some(Block::start(drafter, &context, next_d, true, &params.draft).await?)
             }
             _ => None,
         };
@@ -625,23 +623,6 @@ mod tests {
                 (false, _) => 0,
             };
             assert_eq!(stats.ahead_used, expected_used, "accept {accept}, offset {offset}: {stats:?}");
-        }
-    }
-
-    /// A block drafted ahead may draw past its cap, for a choice that lengthens by the time it is sent;
-    /// whatever length is wanted then, the block sent is the one drafting afterwards would have drawn.
-    #[tokio::test]
-    async fn a_block_drafted_ahead_is_sent_at_the_length_wanted_when_it_is_sent() {
-        let drafter = Counting(meta());
-        let (pacing, draft) = (Pacing::new(&DraftLength::Fixed(2), true), params(30, 2, WhenUnreachable::Fail).draft);
-        // (length wanted when sent, drafts sent): at most the 6 drawn.
-        for (wanted, sent) in [(1, 1), (2, 2), (5, 5), (8, 6)] {
-            let mut block = Block::start(&drafter, &[1, 2, 3], 2, 6, true, &draft).await.unwrap();
-            block.pull_while(tokio::time::sleep(Duration::from_millis(5)), &pacing).await;
-            assert_eq!(block.guess(&pacing).await, Some(3));
-            let drafted = block.without_guess(wanted).complete(&pacing).await.unwrap();
-            let afterwards = drafter.draft(&[1, 2, 3, 3], sent, &draft).await.unwrap();
-            assert_eq!(drafted.tokens, afterwards, "wanted {wanted}");
         }
     }
 
