@@ -279,18 +279,26 @@ pub struct Timing {
     pub ttft_s: Option<Spread>,
 }
 
-/// The [`Timing`] of some requests.
-pub fn timing<'a>(records: impl IntoIterator<Item = &'a Record>) -> Timing {
-    #[derive(Default)]
-    struct Rep {
-        tokens: f64,
-        secs: f64,
-        ttft: f64,
-        n: f64,
-        after_tokens: f64,
-        after_secs: f64,
-        burst: bool,
+/// Some requests' sums within one repetition.
+#[derive(Default)]
+struct Rep {
+    tokens: f64,
+    secs: f64,
+    ttft: f64,
+    n: f64,
+    after_tokens: f64,
+    after_secs: f64,
+    burst: bool,
+}
+
+impl Rep {
+    fn tokens_per_s(&self) -> Option<f64> {
+        ratio(self.tokens, self.secs)
     }
+}
+
+/// Requests summed by repetition.
+fn by_rep<'a>(records: impl IntoIterator<Item = &'a Record>) -> BTreeMap<u32, Rep> {
     let mut by_rep: BTreeMap<u32, Rep> = BTreeMap::new();
     for r in records {
         let (o, e) = (&r.outcome, by_rep.entry(r.rep).or_default());
@@ -302,9 +310,15 @@ pub fn timing<'a>(records: impl IntoIterator<Item = &'a Record>) -> Timing {
         e.after_secs += o.total_s - o.ttft_s;
         e.burst |= r.mode == Mode::DraftOnly;
     }
+    by_rep
+}
+
+/// The [`Timing`] of some requests.
+pub fn timing<'a>(records: impl IntoIterator<Item = &'a Record>) -> Timing {
+    let by_rep = by_rep(records);
     let spread = |f: &dyn Fn(&Rep) -> Option<f64>| Spread::of(&by_rep.values().filter_map(f).collect::<Vec<_>>());
     Timing {
-        tokens_per_s: spread(&|r| ratio(r.tokens, r.secs)),
+        tokens_per_s: spread(&Rep::tokens_per_s),
         decode_tokens_per_s: spread(&|r| if r.burst { None } else { ratio(r.after_tokens, r.after_secs) }),
         ttft_s: spread(&|r| ratio(r.ttft, r.n)),
     }
@@ -448,17 +462,9 @@ pub fn auto_vs_fixed(rows: &[SpeedRow]) -> Option<AutoVsFixed> {
 /// every mode back to back, so the pair leaves out how the shared host's speed drifts between
 /// repetitions, which moves each mode's median by as much as the 5% `auto` is held to.
 fn paired_by_rep(a: &[&Record], b: &[&Record]) -> Option<Spread> {
-    let per_rep = |records: &[&Record]| {
-        let mut by_rep: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-        for r in records {
-            let e = by_rep.entry(r.rep).or_default();
-            e.0 += r.outcome.completion_tokens as f64;
-            e.1 += r.outcome.total_s;
-        }
-        by_rep.into_iter().filter_map(|(rep, (tokens, secs))| Some((rep, ratio(tokens, secs)?))).collect::<BTreeMap<_, _>>()
-    };
-    let (a, b) = (per_rep(a), per_rep(b));
-    Spread::of(&a.iter().filter_map(|(rep, x)| Some(x / b.get(rep)? - 1.0)).collect::<Vec<_>>())
+    let b = by_rep(b.iter().copied());
+    let pairs: Vec<f64> = by_rep(a.iter().copied()).iter().filter_map(|(rep, a)| Some(ratio(a.tokens_per_s()?, b.get(rep)?.tokens_per_s()?)? - 1.0)).collect();
+    Spread::of(&pairs)
 }
 
 /// Speculative decoding with draft-ahead (auto or fixed) against target-only among one RTT's rows.
