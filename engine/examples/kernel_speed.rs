@@ -5,6 +5,9 @@
 //!   of splitting the rows into tiles (5 rows as one tile of 5 or as 4 + 1, …);
 //! - "matmul": the patched `k_quants::matmul` as the models call it (its own tiles, rayon's pool).
 //!
+//! - "AVX-VNNI": where the CPU has AVX-VNNI, the matmul's time with it over its time with AVX2 alone
+//!   (the patch picks it at run time; the results are bit-identical, which this checks too).
+//!
 //! Each figure is the fastest of 25 repetitions, the variants interleaved, as a multiple of one
 //! row's time, so a shared machine's drifting speed mostly drops out.
 //!
@@ -12,6 +15,8 @@
 
 use std::time::Instant;
 
+#[cfg(target_feature = "avx2")]
+use candle_core::quantized::avx;
 use candle_core::quantized::k_quants::{self, BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 
 const REPS: usize = 25;
@@ -97,6 +102,33 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
     println!("{name} {n}x{k} (checksum {sink:.3e})");
     println!("  tiles:  1 row {:.3} ms; {}", best_plan[0], tiles.join("  "));
     println!("  matmul: 1 row {:.3} ms; {}", best_matmul[0], matmul.join("  "));
+    #[cfg(target_feature = "avx2")]
+    vnni_report(k, n, &weights, &lhs);
+}
+
+/// The matmul's time with AVX-VNNI over its time with AVX2 alone, for 1 and 5 rows, interleaved.
+#[cfg(target_feature = "avx2")]
+fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
+    if !avx::use_avx_vnni(true) {
+        return;
+    }
+    let mut line = Vec::new();
+    for m in [1usize, 5] {
+        let (mut best, mut out) = ([f64::INFINITY; 2], [vec![0f32; m * n], vec![0f32; m * n]]);
+        for _ in 0..REPS {
+            for (vnni, (best, dst)) in [false, true].into_iter().zip(best.iter_mut().zip(out.iter_mut())) {
+                avx::use_avx_vnni(vnni);
+                let started = Instant::now();
+                k_quants::matmul::<T>((m, k, n), &lhs[..m * k], weights, dst).expect("matmul shapes");
+                *best = best.min(started.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let same = out[0].iter().zip(&out[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "AVX-VNNI and AVX2 results differ ({m} rows)");
+        line.push(format!("{m} row{}: {:.3} / {:.3} ms = {:.2}x", if m > 1 { "s" } else { "" }, best[1], best[0], best[1] / best[0]));
+    }
+    avx::use_avx_vnni(true);
+    println!("  AVX-VNNI / AVX2 alone (bit-identical): {}", line.join("  "));
 }
 
 fn main() {

@@ -20,6 +20,42 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
+/// Where the CPU has AVX-VNNI (which the candle patch uses in its Q4_K and Q6_K kernels): the
+/// 5-position block with it and with AVX2 alone, interleaved, and the logits compared bit for bit.
+#[cfg(target_feature = "avx2")]
+fn compare_avx_vnni(session: &mut dyn spade_engine::ScoreSession, tokens: &[u32], reps: usize) -> Result<(), Box<dyn std::error::Error>> {
+    use candle_core::quantized::avx::use_avx_vnni;
+    if !use_avx_vnni(true) {
+        return Ok(());
+    }
+    let (mut times, mut logits): ([Vec<f64>; 2], [Vec<Vec<f32>>; 2]) = Default::default();
+    for _ in 0..reps {
+        for vnni in [false, true] {
+            use_avx_vnni(vnni);
+            session.truncate(tokens.len() - 5);
+            let started = Instant::now();
+            logits[vnni as usize] = session.score(tokens, 5)?;
+            times[vnni as usize].push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    use_avx_vnni(true);
+    let same = logits[0].iter().flatten().zip(logits[1].iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits());
+    if !same {
+        return Err("the AVX-VNNI and AVX2 kernels gave different logits".into());
+    }
+    let [avx2, vnni] = times.map(|mut t| (median(&mut t), t[0]));
+    println!(
+        "5-position block, AVX-VNNI / AVX2 alone, interleaved: {:.1} / {:.1} ms = {:.3}x (fastest {:.1} / {:.1} = {:.3}x); logits bit-identical",
+        vnni.0,
+        avx2.0,
+        vnni.0 / avx2.0,
+        vnni.1,
+        avx2.1,
+        vnni.1 / avx2.1
+    );
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = PathBuf::from(std::env::args().nth(1).ok_or("usage: scorer_speed MODEL.gguf")?);
     let scorer = CandleScorer::load(&path)?;
@@ -34,8 +70,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let next = logits[0].iter().enumerate().fold(0, |b, (i, &x)| if x > logits[0][b] { i } else { b });
         tokens.push(next as u32);
     }
+    // BLOCKS=N times N blocks instead of 12 (a longer run to profile, e.g. under `perf record -D`).
+    let blocks_to_time: usize = std::env::var("BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(12);
     let mut blocks = Vec::new();
-    for _ in 0..12 {
+    for _ in 0..blocks_to_time {
         session.truncate(tokens.len() - 5);
         let started = Instant::now();
         session.score(&tokens, 5)?;
@@ -50,6 +88,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         path.display(),
         1000.0 / step,
     );
+    #[cfg(target_feature = "avx2")]
+    compare_avx_vnni(session.as_mut(), &tokens, blocks_to_time)?;
 
     let shapes: Vec<String> = std::env::args().skip(2).collect();
     let shapes = if shapes.is_empty() { ["1x1", "8x1", "1x5", "8x5"].map(String::from).to_vec() } else { shapes };

@@ -2,7 +2,8 @@
 //! every activation row bit-identical results whether computed alone or in a block of rows (the
 //! verifier's losslessness depends on it), and the AVX2 dot products added by the patch must agree
 //! with candle's scalar reference. Runs on any target: without AVX2 both checks still hold (the
-//! per-row path and the scalar kernels are used).
+//! per-row path and the scalar kernels are used). Where the CPU has AVX-VNNI, the kernels that use
+//! it must give the AVX2 kernels' results bit for bit.
 
 use candle_core::quantized::k_quants::*;
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QTensor};
@@ -149,4 +150,36 @@ fn simd_dot_products_match_scalar_reference() {
         check_kernels::<BlockQ5K>(k);
         check_kernels::<BlockQ6K>(k);
     }
+}
+
+/// The patch picks AVX-VNNI at run time where the CPU has it (Q4_K and Q6_K): every type's matmul
+/// must give exactly the AVX2 path's bits, alone and in blocks. Other tests in this binary may run
+/// meanwhile with either path: by this very property their results do not change.
+#[cfg(target_feature = "avx2")]
+#[test]
+fn avx_vnni_kernels_equal_the_avx2_ones_bit_for_bit() {
+    use candle_core::quantized::avx::use_avx_vnni;
+    if !use_avx_vnni(true) {
+        eprintln!("this CPU has no AVX-VNNI: only the AVX2 kernels run here");
+        return;
+    }
+    let dev = Device::Cpu;
+    for dtype in DTYPES {
+        for k in ks(dtype) {
+            let n = 67;
+            let w = Tensor::from_vec(values(n * k, (n * k) as u64 + 1), (n, k), &dev).unwrap();
+            let mm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+            for m in [1usize, 2, 5, 6, 13] {
+                let xt = Tensor::from_vec(values(m * k, 11 + m as u64), (m, k), &dev).unwrap();
+                let run = |vnni: bool| -> Vec<f32> {
+                    use_avx_vnni(vnni);
+                    mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+                };
+                let (avx2, vnni) = (run(false), run(true));
+                let same = avx2.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{dtype:?} k={k} m={m}: AVX-VNNI {vnni:?} != AVX2 {avx2:?}");
+            }
+        }
+    }
+    use_avx_vnni(true);
 }
