@@ -84,7 +84,8 @@ async fn compare_avx_vnni(drafter: &MistralDrafter, text: &[u32], params: &Draft
         return Ok(());
     }
     let context = text[..64].to_vec();
-    let (mut step, mut prompt, mut drafts): ([Vec<f64>; 2], [Vec<f64>; 2], [Vec<Vec<u32>>; 2]) = Default::default();
+    let (mut step, mut prompt) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    let mut drafts: [Vec<Vec<u32>>; 2] = Default::default();
     for rep in 0..5u32 {
         for vnni in [false, true] {
             use_avx_vnni(vnni);
