@@ -3,8 +3,7 @@
 //!
 //! - "tiles": one thread through `vec_dot_rows` directly, one weight pass per tile, for several ways
 //!   of splitting the rows into tiles (5 rows as one tile of 5 or as 4 + 1, …);
-//! - "matmul": the patched `k_quants::matmul` as the models call it (its own tiles, rayon's pool).
-//!
+//! - "matmul": the patched `k_quants::matmul` as the models call it (its own tiles, rayon's pool);
 //! - "AVX-VNNI": where the CPU has AVX-VNNI, the matmul's time with it over its time with AVX2 alone
 //!   (the patch picks it at run time; the results are bit-identical, which this checks too).
 //!

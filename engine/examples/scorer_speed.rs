@@ -20,7 +20,7 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Where the CPU has AVX-VNNI (which the candle patch uses in its Q4_K and Q6_K kernels): the
+/// Where the CPU has AVX-VNNI (which the candle patch's quantized kernels use): the
 /// 5-position block with it and with AVX2 alone, interleaved, and the logits compared bit for bit.
 #[cfg(target_feature = "avx2")]
 fn compare_avx_vnni(session: &mut dyn spade_engine::ScoreSession, tokens: &[u32], reps: usize) -> Result<(), Box<dyn std::error::Error>> {

@@ -152,7 +152,7 @@ fn simd_dot_products_match_scalar_reference() {
     }
 }
 
-/// The patch picks AVX-VNNI at run time where the CPU has it (Q4_K and Q6_K): every type's matmul
+/// The patch picks AVX-VNNI at run time where the CPU has it, in every multi-row kernel: each type's matmul
 /// must give exactly the AVX2 path's bits, alone and in blocks. Other tests in this binary may run
 /// meanwhile with either path: by this very property their results do not change.
 #[cfg(target_feature = "avx2")]
