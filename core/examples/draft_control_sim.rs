@@ -1,44 +1,65 @@
-//! `auto` against fixed draft lengths in a simulated world with draft-ahead: tokens per second of
-//! round time, the same random text and noise for every mode (seeded), so constants of
-//! `spade_core::draft_control` can be tried in seconds instead of a 30-minute benchmark. Beside each rate:
-//! the verifier's milliseconds per committed token (the cloud's cost).
+//! `auto` against fixed draft lengths, with draft-ahead, on fresh generations that replay real
+//! acceptance: tokens per second of round time, so the controller can be tried in seconds instead of a
+//! 15-minute benchmark. Beside each rate: the verifier's milliseconds per committed token (the cloud's cost).
 //!
-//!   cargo run --release --example draft_control_sim -p spade-core -- [RTT_MS ...]
+//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds]
 //!
-//! The world (defaults from the quick benchmark's per-round log on the two-core emulation, Qwen2.5-Coder
-//! 0.5B drafting for 1.5B): the verifier takes `(170 + 40 * rows) ms`, 200 ms more past 6 rows (a second pass over the
-//! weights), with log-normal noise (sigma 0.2),
-//! a draft step 95 ms (+-15%), a block's start 10 ms. Greedy drafts: a token is one the draft is sure of
-//! (confidence 0.9-1, accepted with probability 0.97) with probability 0.8, otherwise unsure
-//! (confidence 0.2-0.8, accepted with that probability). With `--no-confidence` every confidence is 1.
+//! `TRACE_FILE` holds one generation per line: for each of its output positions `1` where the draft
+//! model's greedy token equals the target's (given the target's text before it) and `0` where not.
+//! `scripts/acceptance-trace.py` writes it from a gateway's per-round log at `--draft-len 1`, which
+//! sees every position (a drafted token, then the guess after it). `bench/reference/acceptance-traces.txt`
+//! holds the benchmark's four long prompts (160 tokens, Dec 3: `SPADE_GATEWAY_LOG=info,spade_engine=debug
+//! bash scripts/bench.sh --quick --rtts-ms 0 --drift-ms none --prompts 0 --draft-lens 1 --auto false
+//! --long-prompts 4 --long-max-tokens 160 --reps 1`, then the script on its d=1 gateway log). Under greedy decoding a trace fixes
+//! every round's outcome at any draft length, so each mode replays the same text. Every generation starts
+//! from a fresh gateway's estimates (seeded with the verifier's pass times), as the benchmark's long
+//! prompts do (`--warm`: one gateway serves them all in turn, seeding each from what it learned); the
+//! prompt's call is not timed. `drift` switches the RTT from 20 to 150 ms at the middle of each generation.
+//! `--rounds` prints `auto`'s rounds.
+//!
+//! The world (the quick benchmark's per-round log on the two-core emulation, Qwen2.5-Coder 0.5B
+//! drafting for 1.5B, Dec 3): the verifier's pass of 1-9 rows takes [`PASS_MS`] with log-normal noise
+//! (sigma 0.1), a draft step 32 ms (+-15%), a block's start 5 ms.
 
 use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use spade_core::draft_control::{BlockOdds, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{DraftController, Estimates, RoundObservation};
 
-const TOKENS: usize = 20_000;
 const MAX_DRAFT: usize = 8;
-/// Rows the verifier scores in one pass over the weights (the patched candle kernel's tile).
-const ROWS_PER_PASS: usize = 6;
+/// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark.
+const PASS_MS: [f64; 9] = [57.0, 117.0, 144.0, 176.0, 206.0, 211.0, 235.0, 282.0, 319.0];
+const STEP_S: f64 = 0.032;
+const START_S: f64 = 0.005;
+/// Generations replayed per trace (each with its own noise).
+const REPEATS: u64 = 8;
 
 struct World {
     rng: ChaCha8Rng,
-    rtt_s: f64,
-    confidence: bool,
+    accepted: Vec<bool>,
+    rtt: Link,
+}
+
+#[derive(Clone, Copy)]
+enum Link {
+    Fixed(f64),
+    /// 20 ms until half the text is committed, then 150 ms.
+    Drift,
 }
 
 impl World {
-    /// One drafted token: how sure the draft was, and whether the target agrees.
-    fn token(&mut self) -> (f32, bool) {
-        let (c, p) = if self.rng.random_bool(0.8) {
-            (self.rng.random_range(0.9..1.0), 0.97)
-        } else {
-            let c = self.rng.random_range(0.2..0.8);
-            (c, c)
-        };
-        (if self.confidence { c as f32 } else { 1.0 }, self.rng.random_bool(p))
+    /// Whether the draft's token at `position` is the target's (past the trace: no).
+    fn agrees(&self, position: usize) -> bool {
+        self.accepted.get(position).copied().unwrap_or(false)
+    }
+
+    fn rtt_s(&self, committed: usize) -> f64 {
+        match self.rtt {
+            Link::Fixed(s) => s,
+            Link::Drift if committed < self.accepted.len() / 2 => 0.020,
+            Link::Drift => 0.150,
+        }
     }
 
     fn noise(&mut self, sigma: f64) -> f64 {
@@ -48,100 +69,164 @@ impl World {
     }
 
     fn verify_s(&mut self, rows: usize) -> f64 {
-        (0.170 + 0.040 * rows as f64 + if rows > ROWS_PER_PASS { 0.200 } else { 0.0 }) * self.noise(0.2)
+        let ms = PASS_MS.get(rows - 1).copied().unwrap_or(PASS_MS[8] + 40.0 * (rows - PASS_MS.len()) as f64);
+        ms / 1e3 * self.noise(0.1)
     }
 
     fn step_s(&mut self) -> f64 {
-        0.095 * self.rng.random_range(0.85..1.15)
+        STEP_S * self.rng.random_range(0.85..1.15)
     }
 }
 
-/// A drafted block: each token's confidence and verdict, the drafting time on the round's critical path, the step time.
-#[derive(Default)]
+/// A block drafted from `start`: how many tokens, the drafting time and the step time.
+#[derive(Clone, Copy, Default)]
 struct Block {
-    tokens: Vec<(f32, bool)>,
+    start: usize,
+    len: usize,
     drafting_s: f64,
     step_s: f64,
 }
 
-/// A block drafted up to `cap` tokens (fewer when `auto` stops it).
-fn draft(world: &mut World, ctl: Option<&DraftController>, cap: usize) -> Block {
-    let (mut tokens, mut odds, step_s) = (Vec::new(), BlockOdds::default(), world.step_s());
-    while tokens.len() < cap {
-        let token = world.token();
-        tokens.push(token);
-        if ctl.is_some_and(|c| !c.keep_drafting(&mut odds, token.0)) {
-            break;
-        }
-    }
-    Block { drafting_s: 0.010 + step_s * tokens.len() as f64, tokens, step_s }
+fn draft(world: &mut World, start: usize, len: usize) -> Block {
+    let step_s = world.step_s();
+    Block { start, len, drafting_s: if len > 0 { START_S + step_s * len as f64 } else { 0.0 }, step_s }
 }
 
-/// Committed tokens per second of round time, tokens per round and verifier milliseconds per committed
-/// token, with a fixed length, or `auto` when `fixed` is None.
-fn run(fixed: Option<usize>, rtt_s: f64, confidence: bool, seed: u64) -> (f64, f64, f64) {
-    let mut world = World { rng: ChaCha8Rng::seed_from_u64(seed), rtt_s, confidence };
-    let mut ctl = DraftController::new(MAX_DRAFT, true, Estimates::default());
-    let (mut committed, mut time, mut rounds, mut verifier_total_s) = (0usize, 0.0, 0usize, 0.0);
-    // The block drafted ahead for this round, and the part of its drafting the last call did not hide.
-    let mut ahead: Option<Block> = None;
-    while committed < TOKENS {
-        let d = fixed.unwrap_or_else(|| ctl.choose());
+/// Seconds of round time and verifier seconds for one generation, with a fixed length, or `auto` when
+/// `fixed` is None; `log`: print each round (`drafted/accepted`, `A` when drafted ahead) and what `auto`
+/// chose with (the pooled acceptance, plain and optimistic as chosen with at position 0).
+fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, log: bool) -> (f64, f64) {
+    let mut world = World { rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
+    let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).without_early_stop();
+    let choose = |ctl: &mut DraftController| fixed.unwrap_or_else(|| ctl.choose());
+    // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
+    // prompt's processing) and drafted on from there when the guess was right.
+    let mut committed = 1;
+    let first = choose(&mut ctl);
+    let mut ahead = world.agrees(0).then(|| Block { drafting_s: 0.0, ..draft(&mut world, 1, first) });
+    let (mut time, mut verifier_total_s) = (0.0, 0.0);
+    while committed < accepted.len() {
+        let d = choose(&mut ctl);
         let from_ahead = ahead.is_some();
-        let Block { tokens: block, drafting_s, step_s: step } = match ahead.take() {
-            Some(mut pre) => {
-                pre.tokens.truncate(d);
-                pre
-            }
-            None if d > 0 => draft(&mut world, fixed.is_none().then_some(&ctl), d),
-            None => Block::default(),
+        let block = match ahead.take() {
+            // Cut to `d`, or sent short (the gateway's draft stream ends at the length it was started with).
+            Some(pre) => Block { len: pre.len.min(d), ..pre },
+            None => draft(&mut world, committed, d),
         };
-        let call_s = world.rtt_s + world.verify_s(block.len() + 1);
-        let verifier_s = call_s - world.rtt_s;
+        debug_assert_eq!(block.start, committed);
+        let rtt_s = world.rtt_s(committed);
+        let verifier_s = world.verify_s(block.len + 1);
+        let call_s = rtt_s + verifier_s;
         verifier_total_s += verifier_s;
-        // During the call: the guess, then the next block.
-        let next_d = fixed.unwrap_or_else(|| ctl.choose());
-        let (_, guess_ok) = world.token();
-        let next = if next_d > 0 { draft(&mut world, fixed.is_none().then_some(&ctl), next_d) } else { Block::default() };
-        let ahead_s = 0.010 + world.step_s() + next.drafting_s;
-        let accepted = block.iter().take_while(|t| t.1).count();
-        let all = accepted == block.len();
-        committed += accepted + 1;
-        time += drafting_s + call_s;
-        rounds += 1;
-        if all && guess_ok {
+        let taken = (0..block.len).take_while(|&i| world.agrees(block.start + i)).count();
+        let all = taken == block.len;
+        // During the call: the guess of the verifier's token after the block, then the next block from there.
+        let next_d = choose(&mut ctl);
+        let guess_at = block.start + block.len;
+        let guess_ok = world.agrees(guess_at);
+        let probes = next_d > 0 || block.len > 0 || ctl.probe();
+        let next = draft(&mut world, guess_at + 1, next_d);
+        let ahead_s = START_S + world.step_s() + next.drafting_s;
+        if log {
+            let c = ctl.choice();
+            println!(
+                "  {}/{}{} (acceptance {:.2}, chosen with {:.2})",
+                block.len,
+                taken,
+                if from_ahead { "A" } else { "" },
+                c.acceptance,
+                c.alpha.first().unwrap_or(&0.0)
+            );
+        }
+        time += block.drafting_s + call_s;
+        committed += taken + 1;
+        if all && guess_ok && probes {
             ahead = Some(Block { drafting_s: (ahead_s - call_s).max(0.0), ..next });
         }
-        ctl.observe(&RoundObservation {
-            drafted: block.len(),
-            accepted,
-            confidences: block.iter().map(|t| t.0).collect(),
-            draft_step: Duration::from_secs_f64(if from_ahead { 0.0 } else { step }),
-            draft_start: Duration::from_secs_f64(if from_ahead || block.is_empty() { 0.0 } else { 0.010 }),
+        let round = RoundObservation {
+            drafted: block.len,
+            accepted: taken,
+            confidences: Vec::new(),
+            draft_step: Duration::from_secs_f64(if block.len > 1 { block.step_s } else { 0.0 }),
+            draft_start: Duration::from_secs_f64(if from_ahead || block.len == 0 { 0.0 } else { START_S }),
             call_latency: Duration::from_secs_f64(call_s),
             verifier_time: Some(Duration::from_secs_f64(verifier_s)),
-            ahead_guess: (all && (next_d > 0 || !block.is_empty())).then_some(guess_ok),
-        });
+            ahead_guess: (all && probes).then_some(guess_ok),
+        };
+        ctl.observe(&round);
+        gateway.observe(&round);
     }
-    (committed as f64 / time, committed as f64 / rounds as f64, 1e3 * verifier_total_s / committed as f64)
+    (time, verifier_total_s)
+}
+
+/// Committed tokens per second over every trace and repeat, and verifier milliseconds per token.
+/// `warm`: one gateway serves every generation in turn (its estimates seeding each); otherwise each
+/// generation meets a fresh gateway. `log`: print `auto`'s rounds in each trace's first repeat.
+fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, warm: bool, log: bool) -> (f64, f64) {
+    let (mut tokens, mut time, mut verifier_s) = (0usize, 0.0, 0.0);
+    let fresh = || {
+        let mut e = Estimates::default();
+        e.seed_verifier_passes(&PASS_MS.map(|ms| ms / 1e3));
+        e
+    };
+    let mut gateway = fresh();
+    for repeat in 0..REPEATS {
+        for (i, trace) in traces.iter().enumerate() {
+            if !warm {
+                gateway = fresh();
+            }
+            let log = log && fixed.is_none() && repeat == 0;
+            if log {
+                println!("trace {i}:");
+            }
+            let (t, v) = generation(fixed, trace, rtt, 1000 * i as u64 + repeat, &mut gateway, log);
+            (tokens, time, verifier_s) = (tokens + trace.len() - 1, time + t, verifier_s + v);
+        }
+    }
+    (tokens as f64 / time, 1e3 * verifier_s / tokens as f64)
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let confidence = !args.iter().any(|a| a == "--no-confidence");
-    let rtts: Vec<f64> = args.iter().filter_map(|a| a.parse().ok()).collect();
-    for rtt_ms in if rtts.is_empty() { vec![0.0, 50.0, 100.0, 200.0] } else { rtts } {
-        let mut line = format!("RTT {rtt_ms:>3} ms:");
-        let mut best = 0.0f64;
-        for d in 1..=6 {
-            let (rate, _, verifier_ms) = run(Some(d), rtt_ms / 1e3, confidence, 1);
+    let mut args = std::env::args().skip(1);
+    let path = args.next().expect("usage: draft_control_sim TRACE_FILE [RTT_MS ... | drift]");
+    let text = std::fs::read_to_string(&path).expect("readable trace file");
+    let traces: Vec<Vec<bool>> = text.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().bytes().map(|b| b == b'1').collect()).collect();
+    let (flags, rest): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
+    let (warm, log) = (flags.iter().any(|f| f == "--warm"), flags.iter().any(|f| f == "--rounds"));
+    let links: Vec<(String, Link)> =
+        if rest.is_empty() {
+            [0.0, 20.0, 50.0, 100.0, 200.0]
+                .map(|ms| (format!("RTT {ms:>3} ms"), Link::Fixed(ms / 1e3)))
+                .into_iter()
+                .chain([("drift     ".to_string(), Link::Drift)])
+                .collect()
+        } else {
+            rest.iter()
+                .map(|a| {
+                    if a == "drift" {
+                        (a.clone(), Link::Drift)
+                    } else {
+                        (format!("RTT {a:>3} ms"), Link::Fixed(a.parse::<f64>().expect("an RTT in ms") / 1e3))
+                    }
+                })
+                .collect()
+        };
+    for (name, link) in links {
+        let mut line = format!("{name}:");
+        let (mut best, mut best_of_1_4) = (0.0f64, 0.0f64);
+        for d in 1..=7 {
+            let (rate, verifier_ms) = run(Some(d), &traces, link, warm, false);
             best = best.max(rate);
-            line += &format!("  d={d} {rate:.2} ({verifier_ms:.0} ms)");
+            if d == 1 || d == 4 {
+                best_of_1_4 = best_of_1_4.max(rate);
+            }
+            line += &format!("  d={d} {rate:.2} ({verifier_ms:.0})");
         }
-        let (rate, per_round, verifier_ms) = run(None, rtt_ms / 1e3, confidence, 1);
+        let (rate, verifier_ms) = run(None, &traces, link, warm, log);
         line += &format!(
-            "  | auto {rate:.2} ({:+.1}% vs best fixed, {per_round:.2} tokens/round, {verifier_ms:.0} verifier ms/token)",
-            100.0 * (rate / best - 1.0)
+            "  | auto {rate:.2} ({verifier_ms:.0}) {:+.1}% vs best, {:+.1}% vs d=1,4",
+            100.0 * (rate / best - 1.0),
+            100.0 * (rate / best_of_1_4 - 1.0)
         );
         println!("{line}");
     }
