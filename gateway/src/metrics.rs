@@ -148,7 +148,12 @@ impl Metrics {
         gauge("spade_gateway_auto_draft_step_seconds", "Estimated draft model time per token.", auto.t_draft_s);
         gauge("spade_gateway_auto_verify_base_seconds", "Estimated verifier time per call, fixed part (a in a + b * rows).", auto.verify_a_s);
         gauge("spade_gateway_auto_verify_row_seconds", "Estimated verifier time per scored row (b).", auto.verify_b_s);
-        gauge("spade_gateway_auto_first_acceptance", "Estimated acceptance of the first draft position.", auto.alpha.first().copied().unwrap_or(0.0));
+        gauge("spade_gateway_auto_acceptance", "Estimated acceptance of a draft given all before it were accepted, over every position.", auto.acceptance);
+        gauge(
+            "spade_gateway_auto_first_acceptance",
+            "Acceptance of the first draft position as the length is chosen with (leaning on the pooled one, read optimistically).",
+            auto.alpha.first().copied().unwrap_or(0.0),
+        );
         gauge("spade_gateway_auto_ahead_match", "Estimated probability that the drafted-ahead guess matches the verifier's token.", auto.beta);
         let drafted = load(&self.drafted);
         let rate = if drafted == 0 { 0.0 } else { load(&self.accepted) as f64 / drafted as f64 };
