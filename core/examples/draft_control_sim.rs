@@ -28,14 +28,16 @@ use rand_chacha::ChaCha8Rng;
 use spade_core::draft_control::{DraftController, Estimates, RoundObservation};
 
 const MAX_DRAFT: usize = 8;
-/// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark.
+/// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark
+/// (`--pass-ms=A,B,…` replaces it).
 const PASS_MS: [f64; 9] = [57.0, 117.0, 144.0, 176.0, 206.0, 211.0, 235.0, 282.0, 319.0];
 const STEP_S: f64 = 0.032;
 const START_S: f64 = 0.005;
 /// Generations replayed per trace (each with its own noise).
 const REPEATS: u64 = 8;
 
-struct World {
+struct World<'a> {
+    pass_ms: &'a [f64],
     rng: ChaCha8Rng,
     accepted: Vec<bool>,
     rtt: Link,
@@ -48,7 +50,7 @@ enum Link {
     Drift,
 }
 
-impl World {
+impl World<'_> {
     /// Whether the draft's token at `position` is the target's (past the trace: no).
     fn agrees(&self, position: usize) -> bool {
         self.accepted.get(position).copied().unwrap_or(false)
@@ -69,7 +71,8 @@ impl World {
     }
 
     fn verify_s(&mut self, rows: usize) -> f64 {
-        let ms = PASS_MS.get(rows - 1).copied().unwrap_or(PASS_MS[8] + 40.0 * (rows - PASS_MS.len()) as f64);
+        let (last, known) = (self.pass_ms[self.pass_ms.len() - 1], self.pass_ms.len());
+        let ms = self.pass_ms.get(rows - 1).copied().unwrap_or(last + 40.0 * (rows - known) as f64);
         ms / 1e3 * self.noise(0.1)
     }
 
@@ -95,8 +98,9 @@ fn draft(world: &mut World, start: usize, len: usize) -> Block {
 /// Seconds of round time and verifier seconds for one generation, with a fixed length, or `auto` when
 /// `fixed` is None; `log`: print each round (`drafted/accepted`, `A` when drafted ahead) and what `auto`
 /// chose with (the pooled acceptance, plain and optimistic as chosen with at position 0).
-fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, log: bool) -> (f64, f64) {
-    let mut world = World { rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
+fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, setup: &Setup) -> (f64, f64) {
+    let log = setup.log && fixed.is_none() && seed.is_multiple_of(1000);
+    let mut world = World { pass_ms: &setup.pass_ms, rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
     let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).without_early_stop();
     let choose = |ctl: &mut DraftController| fixed.unwrap_or_else(|| ctl.choose());
     // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
@@ -159,27 +163,34 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
     (time, verifier_total_s)
 }
 
+#[derive(Clone)]
+struct Setup {
+    pass_ms: Vec<f64>,
+    /// One gateway serves every generation in turn (its estimates seeding each); otherwise each
+    /// generation meets a fresh gateway.
+    warm: bool,
+    /// Print `auto`'s rounds in each trace's first repeat.
+    log: bool,
+}
+
 /// Committed tokens per second over every trace and repeat, and verifier milliseconds per token.
-/// `warm`: one gateway serves every generation in turn (its estimates seeding each); otherwise each
-/// generation meets a fresh gateway. `log`: print `auto`'s rounds in each trace's first repeat.
-fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, warm: bool, log: bool) -> (f64, f64) {
+fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, setup: &Setup) -> (f64, f64) {
     let (mut tokens, mut time, mut verifier_s) = (0usize, 0.0, 0.0);
     let fresh = || {
         let mut e = Estimates::default();
-        e.seed_verifier_passes(&PASS_MS.map(|ms| ms / 1e3));
+        e.seed_verifier_passes(&setup.pass_ms.iter().map(|ms| ms / 1e3).collect::<Vec<_>>());
         e
     };
     let mut gateway = fresh();
     for repeat in 0..REPEATS {
         for (i, trace) in traces.iter().enumerate() {
-            if !warm {
+            if !setup.warm {
                 gateway = fresh();
             }
-            let log = log && fixed.is_none() && repeat == 0;
-            if log {
+            if setup.log && fixed.is_none() && repeat == 0 {
                 println!("trace {i}:");
             }
-            let (t, v) = generation(fixed, trace, rtt, 1000 * i as u64 + repeat, &mut gateway, log);
+            let (t, v) = generation(fixed, trace, rtt, 1000 * i as u64 + repeat, &mut gateway, setup);
             (tokens, time, verifier_s) = (tokens + trace.len() - 1, time + t, verifier_s + v);
         }
     }
@@ -192,7 +203,12 @@ fn main() {
     let text = std::fs::read_to_string(&path).expect("readable trace file");
     let traces: Vec<Vec<bool>> = text.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().bytes().map(|b| b == b'1').collect()).collect();
     let (flags, rest): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
-    let (warm, log) = (flags.iter().any(|f| f == "--warm"), flags.iter().any(|f| f == "--rounds"));
+    let pass_ms = match flags.iter().find_map(|f| f.strip_prefix("--pass-ms=")) {
+        Some(list) => list.split(',').map(|ms| ms.parse().expect("--pass-ms=A,B,… in milliseconds")).collect(),
+        None => PASS_MS.to_vec(),
+    };
+    assert!(!pass_ms.is_empty());
+    let setup = Setup { pass_ms, warm: flags.iter().any(|f| f == "--warm"), log: flags.iter().any(|f| f == "--rounds") };
     let links: Vec<(String, Link)> =
         if rest.is_empty() {
             [0.0, 20.0, 50.0, 100.0, 200.0]
@@ -215,14 +231,14 @@ fn main() {
         let mut line = format!("{name}:");
         let (mut best, mut best_of_1_4) = (0.0f64, 0.0f64);
         for d in 1..=7 {
-            let (rate, verifier_ms) = run(Some(d), &traces, link, warm, false);
+            let (rate, verifier_ms) = run(Some(d), &traces, link, &Setup { log: false, ..setup.clone() });
             best = best.max(rate);
             if d == 1 || d == 4 {
                 best_of_1_4 = best_of_1_4.max(rate);
             }
             line += &format!("  d={d} {rate:.2} ({verifier_ms:.0})");
         }
-        let (rate, verifier_ms) = run(None, &traces, link, warm, log);
+        let (rate, verifier_ms) = run(None, &traces, link, &setup);
         line += &format!(
             "  | auto {rate:.2} ({verifier_ms:.0}) {:+.1}% vs best, {:+.1}% vs d=1,4",
             100.0 * (rate / best - 1.0),

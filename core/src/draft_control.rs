@@ -41,12 +41,12 @@
 //!
 //! Acceptance is chosen with optimistically, as in UCB-SpecStop (arXiv 2606.20591): every position's
 //! `alpha_i` leans on the acceptance pooled over all positions (which learns from every outcome), and the
-//! pooled rate is read one standard error high. A plug-in estimate learned from one generation's first
+//! pooled rate is read half a standard error high. A plug-in estimate learned in one generation's first
 //! rounds is low about as often as high, but a low one picks short blocks, which then teach it less (fewer
-//! outcomes a round) and for longer. On replayed acceptance of the benchmark's code prompts
-//! (`examples/draft_control_sim.rs`, fresh gateways, averaged over RTT 0-200 ms and drift) `auto` ran
-//! 4-8% behind the best fixed length with the plug-in estimate, 0.5-2% with the optimistic one, and
-//! 0.2-1% with the text's true acceptance given in advance.
+//! outcomes a round) and for longer. Replaying the benchmark's acceptance traces
+//! (`examples/draft_control_sim.rs`, fresh gateways, RTT 0, 50, 100 ms and drift, two verifiers' timings),
+//! `auto` ran 3.3% behind the best fixed length on average with per-position rates alone, 1.8% with the
+//! pooled rate read plainly, 1.35% half a standard error high and 2.0% a whole one (docs/benchmarks.md).
 
 use std::time::Duration;
 
@@ -75,8 +75,9 @@ const POOLED_GAIN: f64 = 0.02;
 /// outcomes): a position with few outcomes reads mostly the pooled rate, and one rejection
 /// at a position rarely reached does not decide the length for the rounds after it.
 const POOLED_OUTCOMES: f64 = 16.0;
-/// Standard errors the pooled acceptance is read above its estimate (see the module docs).
-const OPTIMISM: f64 = 1.0;
+/// Standard errors the pooled acceptance is read above its estimate (see the module docs): one made the
+/// first blocks of a fresh gateway 8 drafts long where a 6th verify row cost more than the 5th.
+const OPTIMISM: f64 = 0.5;
 /// Weight of a new timing sample (RTT, draft step): links change abruptly, and 0.3 closes 97% of a step in 10 rounds.
 const TIME_GAIN: f64 = 0.3;
 /// Per-observation decay of the verifier-time fit's sums (a memory of ~20 calls): slower than [`TIME_GAIN`]
@@ -953,8 +954,8 @@ mod tests {
         assert!(close(e.alpha[0].value, 0.85) && close(e.acceptance(), 0.925) && close(e.beta.value, 0.8), "{e:?}");
         // A position's alpha leans on the pooled rate, counted as POOLED_OUTCOMES against its own four.
         assert!(close(e.alpha(0), (4.0 * 0.85 + POOLED_OUTCOMES * 0.925) / (4.0 + POOLED_OUTCOMES)), "{}", e.alpha(0));
-        // The length is chosen on the pooled rate read one standard error high: sqrt(0.925 * 0.075 / 16).
-        assert!(close(e.optimistic().acceptance(), 0.925 + (0.925f64 * 0.075 / 16.0).sqrt()), "{e:?}");
+        // The length is chosen on the pooled rate read OPTIMISM standard errors high: sqrt(0.925 * 0.075 / 16).
+        assert!(close(e.optimistic().acceptance(), 0.925 + OPTIMISM * (0.925f64 * 0.075 / 16.0).sqrt()), "{e:?}");
         // Past the first outcomes a rate moves at its constant gain, so a late miss is one outcome among many.
         for _ in 0..20 {
             e.observe(&accepted);
@@ -964,7 +965,7 @@ mod tests {
         assert!(close(e.alpha[0].value, before.0 * (1.0 - ACCEPT_GAIN)) && e.alpha[1].value == before.1, "{e:?}");
         assert!(close(e.acceptance(), before.2 * (1.0 - POOLED_GAIN)), "{e:?}");
         // The optimism fades as outcomes accumulate.
-        assert!(e.optimistic().acceptance() - e.acceptance() < 0.03, "{e:?}");
+        assert!(e.optimistic().acceptance() - e.acceptance() < 0.015, "{e:?}");
         // A position first reached starts from the pooled rate (as it is when reached), as a prior.
         e.observe(&RoundObservation { drafted: 4, accepted: 3, ..Default::default() });
         assert!(e.alpha.len() == 4 && e.alpha[3].outcomes == 1 && close(e.alpha[3].value, 0.8 * e.acceptance() / (1.0 - POOLED_GAIN)), "{e:?}");
