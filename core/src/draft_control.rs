@@ -106,7 +106,7 @@ const MAX_DRAFT_SAMPLE_RATIO: f64 = 4.0;
 /// model leaves out (starting a draft request, committing and streaming). 3%: the benchmark's
 /// goal is 5% of the best fixed length.
 const RATE_TOLERANCE: f64 = 0.03;
-/// Prior of every acceptance rate by position, pooled or not.
+/// Prior of the acceptance pooled over positions (from which each position starts) and of the confidence table.
 const ALPHA_PRIOR: f64 = 0.7;
 
 /// What one round showed, reported by the gateway after each `/verify` call.
@@ -180,7 +180,7 @@ impl Default for Estimates {
     fn default() -> Self {
         let by_confidence = std::array::from_fn(|k| Rate::prior(0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64));
         Self {
-            alpha: vec![Rate::prior(ALPHA_PRIOR)],
+            alpha: Vec::new(),
             pooled: Rate::prior(ALPHA_PRIOR),
             beta: Rate::prior(0.6),
             by_confidence,
