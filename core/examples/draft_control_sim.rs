@@ -2,7 +2,7 @@
 //! acceptance: tokens per second of round time, so the controller can be tried in seconds instead of a
 //! 15-minute benchmark. Beside each rate: the verifier's milliseconds per committed token (the cloud's cost).
 //!
-//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds]
+//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds] [--alignment] [--pass-ms=…] [--seed-ms=…] [--phases]
 //!
 //! `TRACE_FILE` holds one generation per line: for each of its output positions `1` where the draft
 //! model's greedy token equals the target's (given the target's text before it) and `0` where not.
@@ -15,7 +15,15 @@
 //! from a fresh gateway's estimates (seeded with the verifier's pass times), as the benchmark's long
 //! prompts do (`--warm`: one gateway serves them all in turn, seeding each from what it learned); the
 //! prompt's call is not timed. `drift` switches the RTT from 20 to 150 ms at the middle of each generation.
-//! `--rounds` prints `auto`'s rounds.
+//! `--rounds` prints `auto`'s rounds. `--seed-ms=A,B,…` seeds the gateways with other pass times than the
+//! world's (the verifier's start-up timings are off by 10-15% per size against its calls in a run).
+//! `--phases` gives the host slow stretches, as the benchmark's logs show (five 5-row calls at 245-266 ms
+//! between 3-row calls at 150-175, where 5 rows took 172 ms in most calls): from a call at normal speed
+//! the next is 40% slower with probability 0.03, and a slow stretch ends after each call with probability
+//! 0.25 (four calls on average, 11% of them), with per-call noise 0.08. `--alignment` prints, per trace and fixed length, the tokens a round
+//! commits on that text against what independent acceptance at the text's own rate predicts: under greedy
+//! decoding a fixed length meets the same rejections at the same places of its blocks in every run, so on
+//! one text some lengths are luckier than the rate says, and no estimate of the rate can foresee which.
 //!
 //! The world (the quick benchmark's per-round log on the two-core emulation, Qwen2.5-Coder 0.5B
 //! drafting for 1.5B, Dec 3): the verifier's pass of 1-9 rows takes [`PASS_MS`] with log-normal noise
@@ -38,6 +46,9 @@ const REPEATS: u64 = 8;
 
 struct World<'a> {
     pass_ms: &'a [f64],
+    phases: bool,
+    /// Whether the host is in a slow stretch (`--phases`).
+    slow: bool,
     rng: ChaCha8Rng,
     accepted: Vec<bool>,
     rtt: Link,
@@ -73,7 +84,11 @@ impl World<'_> {
     fn verify_s(&mut self, rows: usize) -> f64 {
         let (last, known) = (self.pass_ms[self.pass_ms.len() - 1], self.pass_ms.len());
         let ms = self.pass_ms.get(rows - 1).copied().unwrap_or(last + 40.0 * (rows - known) as f64);
-        ms / 1e3 * self.noise(0.1)
+        if !self.phases {
+            return ms / 1e3 * self.noise(0.1);
+        }
+        self.slow = self.rng.random::<f64>() < if self.slow { 0.75 } else { 0.03 };
+        ms / 1e3 * self.noise(0.08) * if self.slow { 1.4 } else { 1.0 }
     }
 
     fn step_s(&mut self) -> f64 {
@@ -100,7 +115,8 @@ fn draft(world: &mut World, start: usize, len: usize) -> Block {
 /// chose with (the pooled acceptance, plain and optimistic as chosen with at position 0).
 fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, setup: &Setup) -> (f64, f64) {
     let log = setup.log && fixed.is_none() && seed.is_multiple_of(1000);
-    let mut world = World { pass_ms: &setup.pass_ms, rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
+    let mut world =
+        World { pass_ms: &setup.pass_ms, phases: setup.phases, slow: false, rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
     let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).without_early_stop();
     let choose = |ctl: &mut DraftController| fixed.unwrap_or_else(|| ctl.choose());
     // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
@@ -166,6 +182,9 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
 #[derive(Clone)]
 struct Setup {
     pass_ms: Vec<f64>,
+    /// What the gateways are seeded with.
+    seed_ms: Vec<f64>,
+    phases: bool,
     /// One gateway serves every generation in turn (its estimates seeding each); otherwise each
     /// generation meets a fresh gateway.
     warm: bool,
@@ -178,7 +197,7 @@ fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, setup: &Setup) -> 
     let (mut tokens, mut time, mut verifier_s) = (0usize, 0.0, 0.0);
     let fresh = || {
         let mut e = Estimates::default();
-        e.seed_verifier_passes(&setup.pass_ms.iter().map(|ms| ms / 1e3).collect::<Vec<_>>());
+        e.seed_verifier_passes(&setup.seed_ms.iter().map(|ms| ms / 1e3).collect::<Vec<_>>());
         e
     };
     let mut gateway = fresh();
@@ -197,18 +216,51 @@ fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, setup: &Setup) -> 
     (tokens as f64 / time, 1e3 * verifier_s / tokens as f64)
 }
 
+/// Tokens per round of each fixed length on each trace, against `sum_{j<=d} p^j` at the trace's acceptance `p`.
+fn alignment(traces: &[Vec<bool>]) {
+    for (i, trace) in traces.iter().enumerate() {
+        let body = &trace[1..];
+        let p = body.iter().filter(|&&a| a).count() as f64 / body.len().max(1) as f64;
+        let mut line = format!("trace {i} (acceptance {p:.3}): tokens per round, replayed / independent");
+        for d in 1..=MAX_DRAFT {
+            let (mut at, mut rounds) = (0, 0);
+            while at < body.len() {
+                at += body[at..].iter().take(d).take_while(|&&a| a).count() + 1;
+                rounds += 1;
+            }
+            let independent: f64 = (0..=d as i32).map(|j| p.powi(j)).sum();
+            let replayed = body.len() as f64 / f64::from(rounds);
+            line += &format!("  d={d} {replayed:.2}/{independent:.2} ({:+.1}%)", 100.0 * (replayed / independent - 1.0));
+        }
+        println!("{line}");
+    }
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("usage: draft_control_sim TRACE_FILE [RTT_MS ... | drift]");
     let text = std::fs::read_to_string(&path).expect("readable trace file");
     let traces: Vec<Vec<bool>> = text.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().bytes().map(|b| b == b'1').collect()).collect();
     let (flags, rest): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
-    let pass_ms = match flags.iter().find_map(|f| f.strip_prefix("--pass-ms=")) {
-        Some(list) => list.split(',').map(|ms| ms.parse().expect("--pass-ms=A,B,… in milliseconds")).collect(),
-        None => PASS_MS.to_vec(),
+    let list = |name: &str| {
+        flags
+            .iter()
+            .find_map(|f| f.strip_prefix(name))
+            .map(|list| list.split(',').map(|ms| ms.parse::<f64>().expect("milliseconds, A,B,…")).collect::<Vec<_>>())
     };
-    assert!(!pass_ms.is_empty());
-    let setup = Setup { pass_ms, warm: flags.iter().any(|f| f == "--warm"), log: flags.iter().any(|f| f == "--rounds") };
+    let pass_ms = list("--pass-ms=").unwrap_or(PASS_MS.to_vec());
+    let seed_ms = list("--seed-ms=").unwrap_or(pass_ms.clone());
+    assert!(!pass_ms.is_empty() && !seed_ms.is_empty());
+    if flags.iter().any(|f| f == "--alignment") {
+        return alignment(&traces);
+    }
+    let setup = Setup {
+        pass_ms,
+        seed_ms,
+        phases: flags.iter().any(|f| f == "--phases"),
+        warm: flags.iter().any(|f| f == "--warm"),
+        log: flags.iter().any(|f| f == "--rounds"),
+    };
     let links: Vec<(String, Link)> =
         if rest.is_empty() {
             [0.0, 20.0, 50.0, 100.0, 200.0]
