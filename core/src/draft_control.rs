@@ -533,12 +533,14 @@ impl Estimates {
     /// gateway starts from the prior `V(rows) = 80 ms + 8 ms * rows`, about right for a GPU, while a CPU
     /// verifier's block costs ~40 ms a row: `auto` then sent blocks of 5-7 drafts at RTT 0 for the dozen
     /// rounds its fit took to learn the slope, ~15% of a 128-token generation's time. Calling it again
-    /// (each health check) changes nothing the gateway has measured.
-    pub fn seed_verifier_passes(&mut self, pass_s: &[f64]) {
+    /// (each health check) changes nothing the gateway has measured. Returns how many sizes it seeded.
+    pub fn seed_verifier_passes(&mut self, pass_s: &[f64]) -> usize {
         let timed = || pass_s.iter().enumerate().filter(|(_, s)| s.is_finite() && **s > 0.0 && **s <= MAX_SAMPLE_S).map(|(i, &s)| (i + 1, s));
+        let mut seeded = 0;
         for (rows, seconds) in timed().take(MAX_POSITIONS + 1) {
             if self.verify_by_rows.get(rows).copied().flatten().is_none() {
                 self.measure_verify(rows, seconds);
+                seeded += 1;
             }
         }
         if self.fit.w == 0.0 {
@@ -549,6 +551,7 @@ impl Estimates {
                 (self.verify_a_s, self.verify_b_s) = self.fit.solve(self.verify_b_s);
             }
         }
+        seeded
     }
 }
 
@@ -1070,7 +1073,7 @@ mod tests {
         let cpu: Vec<f64> = (1..=9).map(|rows| 0.010 + 0.040 * rows as f64).collect();
         let mut e = Estimates { alpha: vec![Rate::prior(0.8)], rtt_s: 0.0, ..Estimates::default() };
         let prior_choice = DraftController::new(8, true, e.clone()).choose();
-        e.seed_verifier_passes(&cpu);
+        assert_eq!(e.seed_verifier_passes(&cpu), 9);
         // The fit is pulled a little towards the prior slope (FIT_RIDGE).
         assert!((e.verify_a_s - 0.010).abs() < 2e-4 && (e.verify_b_s - 0.040).abs() < 1e-4, "{e:?}");
         assert!(close(e.verify_time(5), 0.210) && (e.verify_time(12) - 0.490).abs() < 1e-3);
@@ -1080,12 +1083,12 @@ mod tests {
         // What the gateway measured stays; a later seed fills only sizes it has not timed.
         e.observe(&RoundObservation { drafted: 1, accepted: 1, verifier_time: Some(Duration::from_millis(150)), ..Default::default() });
         let (measured, a, b) = (e.verify_time(2), e.verify_a_s, e.verify_b_s);
-        e.seed_verifier_passes(&[0.5; 9]);
+        assert_eq!(e.seed_verifier_passes(&[0.5; 9]), 0);
         assert!(close(e.verify_time(2), measured) && close(e.verify_time(3), 0.130), "{e:?}");
         assert!(close(e.verify_a_s, a) && close(e.verify_b_s, b));
         // Nonsense entries are skipped, not learned.
         let mut odd = Estimates::default();
-        odd.seed_verifier_passes(&[f64::NAN, -1.0, 0.0, f64::INFINITY, 1e9]);
+        assert_eq!(odd.seed_verifier_passes(&[f64::NAN, -1.0, 0.0, f64::INFINITY, 1e9]), 0);
         assert!(odd.verify_by_rows.iter().all(Option::is_none) && odd.fit.w == 0.0 && close(odd.verify_b_s, 0.008), "{odd:?}");
     }
 

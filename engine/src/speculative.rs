@@ -273,6 +273,7 @@ pub async fn run(
         let model = pacing.choice();
         tracing::debug!(
             chosen = d,
+            first_call,
             model_verify_a_ms = model.as_ref().map(|c| (c.verify_a_s * 1e3).round()),
             model_verify_b_ms = model.as_ref().map(|c| (c.verify_b_s * 1e3).round()),
             model_alpha0 = model.as_ref().and_then(|c| c.alpha.first().map(|a| (a * 100.0).round() / 100.0)),

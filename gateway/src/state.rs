@@ -106,7 +106,11 @@ impl Gateway {
             }
             *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
             let pass_s: Vec<f64> = info.pass_ms.iter().map(|ms| ms / 1e3).collect();
-            self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).seed_verifier_passes(&pass_s);
+            if self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).seed_verifier_passes(&pass_s) > 0 {
+                // What `--draft-len auto` starts from, so its choices can be replayed from the log
+                // (core/examples/draft_control_replay.rs).
+                tracing::info!(pass_ms = ?info.pass_ms, "draft-length model seeded with the verifier's pass times");
+            }
         }
         VerifierStatus::Ready(info)
     }
