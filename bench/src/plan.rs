@@ -280,6 +280,24 @@ impl Plan {
         out
     }
 
+    /// Every gateway of repetition `rep` in the order they run, with its mode and its index among the
+    /// mode's [`Plan::gateways`]: link by link (a gateway index is one link for every mode), every mode
+    /// at a link back to back, so that the modes compared at a link meet the host within a minute or two
+    /// of each other; the host's speed moved 7-33% over the 3-4 minutes between `auto`'s batch and d=4's
+    /// when a repetition ran each mode at every link in turn (docs/benchmarks.md, "Dec 3, four texts").
+    /// Odd repetitions run the modes after the first in reverse, so a steady drift favours none; the
+    /// first (target-only) stays first, as its greedy outputs place the drift case's switch.
+    pub fn schedule(&self, rep: u32) -> Vec<(Mode, usize, Vec<Batch>)> {
+        let mut modes = self.modes.clone();
+        if rep % 2 == 1 && modes.len() > 1 {
+            modes[1..].reverse();
+        }
+        let mut gateways: Vec<(Mode, usize, Vec<Batch>)> =
+            modes.iter().flat_map(|&mode| self.gateways(rep, mode).into_iter().enumerate().map(move |(n, batches)| (mode, n, batches))).collect();
+        gateways.sort_by_key(|&(_, n, _)| n);
+        gateways
+    }
+
     /// Seconds the whole plan should take on the machine this was written on (2 cores, servers
     /// pinned one core each): a rough model, for the ETA printed at the start and refined as
     /// batches finish.
@@ -293,10 +311,9 @@ impl Plan {
         let mut starts = VERIFIER_START_S;
         let mut by_kind = [(Kind::Accounting, 0.0), (Kind::Sampled, 0.0), (Kind::Timing, 0.0), (Kind::Drift, 0.0)];
         for rep in 0..self.reps {
-            for &mode in &self.modes {
-                let gateways = self.gateways(rep, mode);
-                starts += gateways.len() as f64 * GATEWAY_START_S;
-                for b in gateways.iter().flatten() {
+            for (_, _, batches) in self.schedule(rep) {
+                starts += GATEWAY_START_S;
+                for b in &batches {
                     if let Some(slot) = by_kind.iter_mut().find(|(k, _)| *k == b.kind) {
                         slot.1 += self.estimate_batch(b);
                     }
@@ -405,6 +422,27 @@ mod tests {
         assert_eq!(ids(&plan, &plan.accounting), ["code-0", "chat-0", "qa-0", "code-1", "qa-1", "code-2"]);
         assert_eq!(ids(&plan, &plan.long), ["long-0"]);
         assert_eq!(ids(&plan, &plan.sampled), ["code-0", "chat-0"]);
+    }
+
+    #[test]
+    fn a_repetition_runs_every_mode_at_one_link_before_the_next_link() {
+        let plan = Plan::new(prompts(), &sizes()).unwrap();
+        let order = |rep| plan.schedule(rep).into_iter().map(|(mode, n, _)| (n, mode)).collect::<Vec<_>>();
+        let spec = [Mode::TargetOnly, Mode::Speculative(1), Mode::Speculative(4), Mode::Auto, Mode::NoAhead(4)];
+        let mut even =
+            vec![(0, Mode::TargetOnly), (0, Mode::DraftOnly), (0, Mode::Speculative(1)), (0, Mode::Speculative(4)), (0, Mode::Auto), (0, Mode::NoAhead(4))];
+        even.extend((1..plan.gateways(0, Mode::Auto).len()).flat_map(|n| spec.map(|m| (n, m))));
+        assert_eq!(order(0), even);
+        // Odd repetitions reverse the modes after target-only, whose outputs place the drift switch.
+        let odd = order(1);
+        assert_eq!(
+            odd[..6],
+            [(0, Mode::TargetOnly), (0, Mode::NoAhead(4)), (0, Mode::Auto), (0, Mode::Speculative(4)), (0, Mode::Speculative(1)), (0, Mode::DraftOnly)]
+        );
+        assert_eq!(odd[6..11], [Mode::TargetOnly, Mode::NoAhead(4), Mode::Auto, Mode::Speculative(4), Mode::Speculative(1)].map(|m| (1, m)));
+        // The same gateways as mode by mode, each once.
+        let count: usize = plan.modes.iter().map(|&m| plan.gateways(0, m).len()).sum();
+        assert_eq!(order(0).len(), count);
     }
 
     #[test]

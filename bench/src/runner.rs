@@ -117,29 +117,25 @@ impl<'a> Runner<'a> {
         })
     }
 
-    /// Every repetition, every mode, every batch.
+    /// Every repetition, every mode, every batch, in [`Plan::schedule`]'s order.
     pub async fn run(&mut self) -> anyhow::Result<()> {
         for rep in 0..self.plan.reps {
-            for &mode in &self.plan.modes.clone() {
-                for (n, batches) in self.plan.gateways(rep, mode).into_iter().enumerate() {
-                    let mut gateway = self.start_gateway(mode, rep, n).await?;
-                    if self.placement.len() == 1 {
-                        let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
-                        let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
-                        self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
-                    }
-                    self.estimated_done += GATEWAY_START_S;
-                    for batch in batches {
-                        let result = self
-                            .run_batch(&gateway, &batch)
-                            .await
-                            .with_context(|| format!("{mode}, rep {rep}, {:?} at RTT {} ms", batch.kind, batch.rtt_ms))?;
-                        self.estimated_done += self.plan.estimate_batch(&batch);
-                        self.progress(&result);
-                        self.results.push(result);
-                    }
-                    gateway.stop();
+            for (mode, n, batches) in self.plan.schedule(rep) {
+                let mut gateway = self.start_gateway(mode, rep, n).await?;
+                if self.placement.len() == 1 {
+                    let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
+                    let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
+                    self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
                 }
+                self.estimated_done += GATEWAY_START_S;
+                for batch in batches {
+                    let result =
+                        self.run_batch(&gateway, &batch).await.with_context(|| format!("{mode}, rep {rep}, {:?} at RTT {} ms", batch.kind, batch.rtt_ms))?;
+                    self.estimated_done += self.plan.estimate_batch(&batch);
+                    self.progress(&result);
+                    self.results.push(result);
+                }
+                gateway.stop();
             }
         }
         Ok(())

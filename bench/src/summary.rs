@@ -459,8 +459,9 @@ pub fn auto_vs_fixed(rows: &[SpeedRow]) -> Option<AutoVsFixed> {
 }
 
 /// `a` / `b` − 1 in tokens/s within each repetition both ran, spread over repetitions. A repetition runs
-/// every mode back to back, so the pair leaves out how the shared host's speed drifts between
-/// repetitions, which moves each mode's median by as much as the 5% `auto` is held to.
+/// every mode at a link back to back ([`crate::plan::Plan::schedule`]), so the pair leaves out how the
+/// shared host's speed drifts between repetitions, which moves each mode's median by as much as the 5%
+/// `auto` is held to.
 fn paired_by_rep(a: &[&Record], b: &[&Record]) -> Option<Spread> {
     let b = by_rep(b.iter().copied());
     let pairs: Vec<f64> = by_rep(a.iter().copied()).iter().filter_map(|(rep, a)| Some(ratio(a.tokens_per_s()?, b.get(rep)?.tokens_per_s()?)? - 1.0)).collect();
