@@ -251,10 +251,10 @@ fn ew(estimate: &mut f64, sample: f64, gain: f64) {
     *estimate += gain * (sample - *estimate);
 }
 
-/// [`ew`] for drafting times, with the sample bounded to [`MAX_DRAFT_SAMPLE_RATIO`] of the estimate either way.
-fn ew_bounded(estimate: &mut f64, sample: f64) {
+/// [`ew`] at [`TIME_GAIN`] for a time, with the sample bounded to `max_ratio` of the estimate either way.
+fn ew_bounded(estimate: &mut f64, sample: f64, max_ratio: f64) {
     let anchor = estimate.max(1e-4);
-    ew(estimate, sample.clamp(anchor / MAX_DRAFT_SAMPLE_RATIO, anchor * MAX_DRAFT_SAMPLE_RATIO), TIME_GAIN);
+    ew(estimate, sample.clamp(anchor / max_ratio, anchor * max_ratio), TIME_GAIN);
 }
 
 /// The confidence bucket of `c`, or `None` for NaN.
@@ -466,10 +466,10 @@ impl Estimates {
         // Timing samples: zero means "not measured", and past MAX_SAMPLE_S or MAX_POSITIONS drafts it is not a round we model.
         let sample = |t: Duration| Some(t.as_secs_f64()).filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS);
         if let Some(step_s) = sample(round.draft_step) {
-            ew_bounded(&mut self.t_draft_s, step_s);
+            ew_bounded(&mut self.t_draft_s, step_s, MAX_DRAFT_SAMPLE_RATIO);
         }
         if let Some(start_s) = sample(round.draft_start) {
-            ew_bounded(&mut self.t_start_s, start_s);
+            ew_bounded(&mut self.t_start_s, start_s, MAX_DRAFT_SAMPLE_RATIO);
         }
         let rows = round.drafted.saturating_add(1);
         let verifier_s = round.verifier_time.and_then(sample);
@@ -521,8 +521,7 @@ impl Estimates {
         }
         let slot = &mut self.verify_by_rows[rows];
         *slot = Some(slot.map_or(seconds, |mut v| {
-            let sample = seconds.clamp(v / MAX_VERIFY_SAMPLE_RATIO, v * MAX_VERIFY_SAMPLE_RATIO);
-            ew(&mut v, sample, TIME_GAIN);
+            ew_bounded(&mut v, seconds, MAX_VERIFY_SAMPLE_RATIO);
             v
         }));
     }
