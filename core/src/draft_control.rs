@@ -99,10 +99,11 @@ const MAX_SAMPLE_S: f64 = 600.0;
 /// step time for many rounds, which it would when no drafting follows to correct it (a length of 0).
 const MAX_DRAFT_SAMPLE_RATIO: f64 = 4.0;
 /// A verifier-time sample moves its block size's time at most this factor either way. Calls of one size
-/// vary by 8-12% from one to the next, but one in a few dozen takes 40% longer (a shared host), and a size
+/// vary by 8-12% from one to the next, but one in 27 takes over 35% longer (a shared host), and a size
 /// timed once or twice during one, then left, kept that time: `auto` drafted 2-3 for the rest of a text
 /// where 4 was 15% faster (benchmark quick-dec3-four and -four2, replayed with
-/// `examples/draft_control_replay.rs`). A real change of the verifier's speed still shows within a few calls.
+/// `examples/draft_control_replay.rs`). A verifier that got 50% slower is still believed within about ten
+/// calls of each size.
 const MAX_VERIFY_SAMPLE_RATIO: f64 = 1.15;
 /// Modelled rates (committed tokens per second) this close to the highest count as equally fast, and the
 /// length among them that costs the verifier least per committed token is drafted. The rate is flat near
