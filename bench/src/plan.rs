@@ -4,7 +4,9 @@
 //! grouped into gateway sessions: each group runs on a freshly started gateway. The order is
 //! repetition-major, so the repetitions of a mode are spread over the whole run, and slow patches of
 //! a shared machine land in one repetition of every mode rather than in every repetition of one.
-//! Timing figures are medians over the repetitions.
+//! Within a repetition the run goes link by link ([`Plan::links`]): every mode's gateway for a link is
+//! up at once, and the long prompts take turns, one prompt of each mode after another, so the modes
+//! compared at a link are timed seconds apart. Timing figures are medians over the repetitions.
 //!
 //! Two sets of prompts: the short ones (the prompt file's `max_tokens` < [`LONG_MIN_TOKENS`]) for the
 //! accounting and sampled figures, at `--max-tokens`; the long ones (`max_tokens` >=
@@ -280,13 +282,12 @@ impl Plan {
         out
     }
 
-    /// Every gateway of repetition `rep` in the order they run, with its mode and its index among the
-    /// mode's [`Plan::gateways`]: link by link (a gateway index is one link for every mode), every mode
-    /// at a link back to back, so that the modes compared at a link meet the host within a minute or two
-    /// of each other; the host's speed moved 7-33% over the 3-4 minutes between `auto`'s batch and d=4's
-    /// when a repetition ran each mode at every link in turn (docs/benchmarks.md, "Dec 3, four texts").
-    /// Odd repetitions run the modes after the first in reverse, so a steady drift favours none; the
-    /// first (target-only) stays first, as its greedy outputs place the drift case's switch.
+    /// Every gateway of repetition `rep` in the order they start, with its mode and its index among the
+    /// mode's [`Plan::gateways`]: link by link (a gateway index is one link for every mode), so that
+    /// the modes compared at a link meet the host at the same time ([`Plan::links`]); the host's speed
+    /// moved 7-33% over the 3-4 minutes between `auto`'s batch and d=4's when a repetition ran each mode
+    /// at every link in turn (docs/benchmarks.md, "Dec 3, four texts"). Odd repetitions reverse the
+    /// modes after the first (target-only), so the turns of [`turns`] differ between repetitions.
     pub fn schedule(&self, rep: u32) -> Vec<(Mode, usize, Vec<Batch>)> {
         let mut modes = self.modes.clone();
         if rep % 2 == 1 && modes.len() > 1 {
@@ -296,6 +297,22 @@ impl Plan {
             modes.iter().flat_map(|&mode| self.gateways(rep, mode).into_iter().enumerate().map(move |(n, batches)| (mode, n, batches))).collect();
         gateways.sort_by_key(|&(_, n, _)| n);
         gateways
+    }
+
+    /// [`Plan::schedule`] cut into links: the gateways of one link (one per mode) are up together, and
+    /// their timed batches (the long prompts) take turns prompt by prompt ([`turns`]), so that every
+    /// mode meets the host within seconds of the others on every prompt. Run mode after mode, the
+    /// modes of a link were a minute or more apart, and the host's speed moved by more than the 5%
+    /// `auto` is held to in that time.
+    pub fn links(&self, rep: u32) -> Vec<Vec<(Mode, usize, Vec<Batch>)>> {
+        let mut links: Vec<Vec<(Mode, usize, Vec<Batch>)>> = Vec::new();
+        for gateway in self.schedule(rep) {
+            match links.last_mut() {
+                Some(link) if link[0].1 == gateway.1 => link.push(gateway),
+                _ => links.push(vec![gateway]),
+            }
+        }
+        links
     }
 
     /// Seconds the whole plan should take on the machine this was written on (2 cores, servers
@@ -364,6 +381,14 @@ pub fn estimate_request(mode: Mode, tokens: u32, rtt_s: f64) -> f64 {
         Mode::NoAhead(d) => speculative(f64::from(d), false),
         Mode::Auto => speculative(4.0, true),
     }
+}
+
+/// The order in which the `gateways` of a link run their `k`-th timed prompt in repetition `rep`:
+/// [`Plan::schedule`]'s order rotated by one for every prompt and repetition, so that each mode runs
+/// first, second, … equally often, and no mode is always the one after a cold start or after the
+/// slowest mode.
+pub fn turns(rep: u32, k: usize, gateways: usize) -> Vec<usize> {
+    (0..gateways).map(|i| (i + k + rep as usize) % gateways).collect()
 }
 
 /// Prompt indices taking one of each category in turn (code, chat, summarization, qa, code, …), so
@@ -443,6 +468,30 @@ mod tests {
         // The same gateways as mode by mode, each once.
         let count: usize = plan.modes.iter().map(|&m| plan.gateways(0, m).len()).sum();
         assert_eq!(order(0).len(), count);
+    }
+
+    #[test]
+    fn a_link_holds_every_mode_at_it_and_its_prompts_take_turns() {
+        let plan = Plan::new(prompts(), &sizes()).unwrap();
+        for rep in 0..2 {
+            let links = plan.links(rep);
+            assert_eq!(links.concat(), plan.schedule(rep));
+            assert_eq!(links.len(), plan.gateways(rep, Mode::Auto).len());
+            for (n, link) in links.iter().enumerate() {
+                assert!(link.iter().all(|(_, i, _)| *i == n));
+            }
+            // Draft-only has no link: it is only at the first.
+            assert_eq!((links[0].len(), links[1].len()), (6, 5));
+        }
+        assert_eq!(turns(0, 0, 4), [0, 1, 2, 3]);
+        assert_eq!(turns(0, 1, 4), [1, 2, 3, 0]);
+        assert_eq!(turns(1, 3, 4), [0, 1, 2, 3]);
+        // Over as many prompts as gateways, every gateway takes every place once.
+        for place in 0..5 {
+            let mut at: Vec<usize> = (0..5).map(|k| turns(2, k, 5)[place]).collect();
+            at.sort_unstable();
+            assert_eq!(at, [0, 1, 2, 3, 4]);
+        }
     }
 
     #[test]

@@ -193,9 +193,8 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
             out,
             "## auto vs the best fixed draft length\n\nMedian tokens/s on the long prompts; fixed lengths draft ahead, as auto does. \
              Goal: auto within {:.0}% of the best fixed length at every RTT, and faster than every fixed length under drift. \
-             Paired: auto over the best fixed length within each repetition (in one, every mode runs at a link before the next link, \
-             in reverse order every other repetition), median [min, max] over repetitions; the host's drift between \
-             repetitions moves the medians by as much as the goal.\n",
+             Paired: auto over the best fixed length within each repetition (in one, the modes of a link take turns prompt by prompt), \
+             median [min, max] over repetitions; the host's drift between repetitions moves the medians by as much as the goal.\n",
             100.0 * AUTO_TOLERANCE
         );
         let _ = writeln!(out, "| link | auto tokens/s | best fixed | its tokens/s | auto vs best | paired | every fixed length (tokens/s) | goal met |");

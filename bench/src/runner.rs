@@ -4,8 +4,9 @@
 //! 1.5B verifier longer, so only gateways are restarted).
 //!
 //! Every gateway reaches the verifier through the proxy, RTT 0 included (then it only relays); the
-//! proxy's link is set per batch. Requests run one at a time: on 2 cores concurrent requests were
-//! slower in total, and timing must not mix requests.
+//! proxy's link is set per request. Requests run one at a time: on 2 cores concurrent requests were
+//! slower in total, and timing must not mix requests. The gateways of a link are up together and take
+//! turns (idle ones only wait), so the servers' counters are read around each request.
 //!
 //! With [`Pinning`], the verifier runs on one core with one compute thread and every gateway on
 //! another with one (`taskset -c`; `--threads 1`; `RAYON_NUM_THREADS=1`): two machines emulated on one.
@@ -28,7 +29,7 @@ use crate::client::{stream_chat, ChatRequest};
 use crate::link::LinkConfig;
 use crate::machine::cpu_seconds;
 use crate::pinning::{cpus_of, Pinning};
-use crate::plan::{Batch, Kind, Mode, Plan, GATEWAY_START_S, VERIFIER_START_S};
+use crate::plan::{turns, Batch, Kind, Mode, Plan, GATEWAY_START_S, VERIFIER_START_S};
 use crate::prom::{Scrape, VerifierCounters};
 use crate::proxy::{spawn_proxy, ProxyHandle};
 use crate::stack::{free_port, Ready, Server};
@@ -53,6 +54,21 @@ pub struct Setup {
 const VERIFIER_KEY: &str = "spade-bench";
 /// One retry per request: a single failure on a busy machine should not cost a 25-minute run.
 const ATTEMPTS: usize = 2;
+
+/// A batch under way: what its requests have cost so far, and where its drift case stands.
+struct Running {
+    batch: Batch,
+    records: Vec<Record>,
+    verifier: VerifierCounters,
+    verifier_cpu_s: f64,
+    gateway_cpu_s: f64,
+    /// Seconds of its own requests (other batches' requests may run between them).
+    wall_s: f64,
+    /// Drift: characters received so far, how many switch the link, and where it switched.
+    received: usize,
+    threshold: Option<usize>,
+    switch: Option<DriftSwitch>,
+}
 
 pub struct Runner<'a> {
     plan: &'a Plan,
@@ -117,25 +133,51 @@ impl<'a> Runner<'a> {
         })
     }
 
-    /// Every repetition, every mode, every batch, in [`Plan::schedule`]'s order.
+    /// Every repetition, link by link ([`Plan::links`]): the link's gateways start together, their
+    /// timed batches run prompt by prompt in [`turns`], then each gateway's other batches in order.
     pub async fn run(&mut self) -> anyhow::Result<()> {
         for rep in 0..self.plan.reps {
-            for (mode, n, batches) in self.plan.schedule(rep) {
-                let mut gateway = self.start_gateway(mode, rep, n).await?;
-                if self.placement.len() == 1 {
-                    let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
-                    let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
-                    self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
+            for link in self.plan.links(rep) {
+                let mut gateways = Vec::with_capacity(link.len());
+                for (mode, n, _) in &link {
+                    let gateway = self.start_gateway(*mode, rep, *n).await?;
+                    if self.placement.len() == 1 {
+                        let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
+                        let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
+                        self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
+                    }
+                    self.estimated_done += GATEWAY_START_S;
+                    gateways.push(gateway);
                 }
-                self.estimated_done += GATEWAY_START_S;
-                for batch in batches {
-                    let result =
-                        self.run_batch(&gateway, &batch).await.with_context(|| format!("{mode}, rep {rep}, {:?} at RTT {} ms", batch.kind, batch.rtt_ms))?;
-                    self.estimated_done += self.plan.estimate_batch(&batch);
-                    self.progress(&result);
-                    self.results.push(result);
+                let timed = |b: &&Batch| matches!(b.kind, Kind::Timing | Kind::Drift);
+                let mut turn: Vec<(usize, Running)> = link
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(g, (_, _, batches))| batches.iter().filter(timed).map(move |b| (g, b)))
+                    .map(|(g, b)| (g, self.begin(b)))
+                    .collect();
+                let longest = turn.iter().map(|(_, r)| r.batch.prompts.len()).max().unwrap_or(0);
+                for k in 0..longest {
+                    for i in turns(rep, k, turn.len()) {
+                        let (g, running) = &mut turn[i];
+                        if k < running.batch.prompts.len() {
+                            self.run_request(&gateways[*g], running, k).await?;
+                        }
+                    }
                 }
-                gateway.stop();
+                for (_, running) in turn {
+                    self.finish(running);
+                }
+                for ((_, _, batches), gateway) in link.iter().zip(&gateways) {
+                    for batch in batches.iter().filter(|b| !timed(b)) {
+                        let mut running = self.begin(batch);
+                        for k in 0..batch.prompts.len() {
+                            self.run_request(gateway, &mut running, k).await?;
+                        }
+                        self.finish(running);
+                    }
+                }
+                gateways.iter_mut().for_each(Server::stop);
             }
         }
         Ok(())
@@ -160,13 +202,11 @@ impl<'a> Runner<'a> {
         Ok(gateway)
     }
 
-    async fn run_batch(&mut self, gateway: &Server, batch: &Batch) -> anyhow::Result<BatchResult> {
-        let setup = self.setup;
-        let link = |rtt_ms: u64| LinkConfig { rtt: Duration::from_millis(rtt_ms), jitter: setup.jitter, loss: setup.loss, seed: Some(setup.seed) };
-        self.proxy.set_link(link(batch.rtt_ms))?;
+    /// A batch about to run its first request; drift: where its link will change (half the
+    /// characters target-only's greedy outputs of its prompts had, or about 4 a token where there is
+    /// none yet).
+    fn begin(&self, batch: &Batch) -> Running {
         let plan = self.plan;
-        // Drift: the link changes once the client has received half the batch's characters (from the
-        // greedy outputs seen before; about 4 characters a token where there is none).
         let threshold = batch.drift_to_ms.map(|_| {
             let chars = |&i: &usize| {
                 let max = plan.max_tokens_of(batch, i);
@@ -174,74 +214,109 @@ impl<'a> Runner<'a> {
             };
             (batch.prompts.iter().map(chars).sum::<usize>() / 2).max(1)
         });
-        let (mut received, mut switch) = (0usize, None::<DriftSwitch>);
-        let started = Instant::now();
+        Running {
+            batch: batch.clone(),
+            records: Vec::new(),
+            verifier: VerifierCounters::default(),
+            verifier_cpu_s: 0.0,
+            gateway_cpu_s: 0.0,
+            wall_s: 0.0,
+            received: 0,
+            threshold,
+            switch: None,
+        }
+    }
+
+    /// The batch's `k`-th request on `gateway`, at the batch's link (drift: the later RTT once the
+    /// batch has switched). The servers' counters are read around the request, so batches of
+    /// different gateways may take turns.
+    async fn run_request(&mut self, gateway: &Server, run: &mut Running, k: usize) -> anyhow::Result<()> {
+        let (setup, plan) = (self.setup, self.plan);
+        let batch = &run.batch;
+        let link = |rtt_ms: u64| LinkConfig { rtt: Duration::from_millis(rtt_ms), jitter: setup.jitter, loss: setup.loss, seed: Some(setup.seed) };
+        let rtt_now = |switched: bool| if switched { batch.drift_to_ms.unwrap_or(batch.rtt_ms) } else { batch.rtt_ms };
+        self.proxy.set_link(link(rtt_now(run.switch.is_some())))?;
+        let i = batch.prompts[k];
+        let prompt = &plan.prompts[i];
+        // Seeds differ per prompt and repetition, so sampled repetitions are new samples.
+        let seed = setup.seed + 1000 * u64::from(batch.rep) + i as u64;
+        let max_tokens = plan.max_tokens_of(batch, i);
+        let request = ChatRequest { messages: &prompt.messages, max_tokens, temperature: batch.temperature, seed };
         let (verifier_before, vcpu_before, gcpu_before) = (self.counters().await?, cpu_seconds(self.verifier.pid())?, cpu_seconds(gateway.pid())?);
-        let mut records = Vec::with_capacity(batch.prompts.len());
-        for (k, &i) in batch.prompts.iter().enumerate() {
-            let prompt = &plan.prompts[i];
-            // Seeds differ per prompt and repetition, so sampled repetitions are new samples.
-            let seed = setup.seed + 1000 * u64::from(batch.rep) + i as u64;
-            let max_tokens = plan.max_tokens_of(batch, i);
-            let request = ChatRequest { messages: &prompt.messages, max_tokens, temperature: batch.temperature, seed };
-            let mut attempt = 0;
-            let received_before = received;
-            let outcome = loop {
-                attempt += 1;
-                let proxy = &self.proxy;
-                let mut on_text = |text: &str, at_s: f64| {
-                    if let (Some(threshold), Some(to), None) = (threshold, batch.drift_to_ms, &switch) {
-                        received += text.len();
-                        if received >= threshold {
-                            // The link is valid (the batch's own, another RTT): this cannot fail.
-                            let _ = proxy.set_link(link(to));
-                            switch = Some(DriftSwitch { request: k, at_s, share_of_request: None });
-                        }
+        let started = Instant::now();
+        let (threshold, drift_to) = (run.threshold, batch.drift_to_ms);
+        let (received_before, switched_before) = (run.received, run.switch.is_some());
+        let mut attempt = 0;
+        let outcome = loop {
+            attempt += 1;
+            let proxy = &self.proxy;
+            let (received, switch) = (&mut run.received, &mut run.switch);
+            let mut on_text = |text: &str, at_s: f64| {
+                if let (Some(threshold), Some(to), None) = (threshold, drift_to, &*switch) {
+                    *received += text.len();
+                    if *received >= threshold {
+                        // The link is valid (the batch's own, another RTT): this cannot fail.
+                        let _ = proxy.set_link(link(to));
+                        *switch = Some(DriftSwitch { request: k, at_s, share_of_request: None });
                     }
-                };
-                match stream_chat(&self.client, &gateway.url, &request, &mut on_text).await {
-                    Ok(o) => break o,
-                    Err(e) if attempt < ATTEMPTS => {
-                        eprintln!("  {}: {e:#}; retrying", prompt.id);
-                        // A retried request starts again at the link it started at.
-                        if switch.as_ref().is_some_and(|s| s.request == k) {
-                            self.proxy.set_link(link(batch.rtt_ms))?;
-                            switch = None;
-                        }
-                        received = received_before;
-                    }
-                    Err(e) => return Err(e.context(format!("prompt {}", prompt.id))),
                 }
             };
-            if let Some(s) = switch.as_mut().filter(|s| s.request == k) {
-                s.share_of_request = Some(s.at_s / outcome.total_s.max(1e-9));
+            match stream_chat(&self.client, &gateway.url, &request, &mut on_text).await {
+                Ok(o) => break o,
+                Err(e) if attempt < ATTEMPTS => {
+                    eprintln!("  {}: {e:#}; retrying", prompt.id);
+                    // A retried request starts again at the link it started at.
+                    if !switched_before && run.switch.is_some() {
+                        self.proxy.set_link(link(batch.rtt_ms))?;
+                        run.switch = None;
+                    }
+                    run.received = received_before;
+                }
+                Err(e) => {
+                    return Err(e.context(format!("{}, rep {}, {:?} at RTT {} ms, prompt {}", batch.mode, batch.rep, batch.kind, batch.rtt_ms, prompt.id)))
+                }
             }
-            if batch.temperature == 0.0 {
-                self.reference_chars.entry((prompt.id.clone(), max_tokens)).or_insert(outcome.text.len());
-            }
-            records.push(Record {
-                rep: batch.rep,
-                mode: batch.mode,
-                kind: batch.kind,
-                rtt_ms: batch.rtt_ms,
-                drift_to_ms: batch.drift_to_ms,
-                temperature: batch.temperature,
-                max_tokens,
-                prompt_id: prompt.id.clone(),
-                category: prompt.category,
-                outcome,
-            });
+        };
+        run.wall_s += started.elapsed().as_secs_f64();
+        if let Some(s) = run.switch.as_mut().filter(|s| s.request == k) {
+            s.share_of_request = Some(s.at_s / outcome.total_s.max(1e-9));
         }
-        let verifier = self.counters().await?.since(&verifier_before);
-        Ok(BatchResult {
-            batch: batch.clone(),
-            records,
-            verifier,
-            verifier_cpu_s: cpu_seconds(self.verifier.pid())? - vcpu_before,
-            gateway_cpu_s: cpu_seconds(gateway.pid())? - gcpu_before,
-            wall_s: started.elapsed().as_secs_f64(),
-            drift_switch: switch,
-        })
+        // Target-only's greedy outputs place the drift switch: the same characters for every mode.
+        if batch.mode == Mode::TargetOnly && batch.temperature == 0.0 {
+            self.reference_chars.entry((prompt.id.clone(), max_tokens)).or_insert(outcome.text.len());
+        }
+        run.verifier.add(&self.counters().await?.since(&verifier_before));
+        run.verifier_cpu_s += cpu_seconds(self.verifier.pid())? - vcpu_before;
+        run.gateway_cpu_s += cpu_seconds(gateway.pid())? - gcpu_before;
+        run.records.push(Record {
+            rep: batch.rep,
+            mode: batch.mode,
+            kind: batch.kind,
+            rtt_ms: batch.rtt_ms,
+            drift_to_ms: batch.drift_to_ms,
+            temperature: batch.temperature,
+            max_tokens,
+            prompt_id: prompt.id.clone(),
+            category: prompt.category,
+            outcome,
+        });
+        Ok(())
+    }
+
+    /// A batch done: its result, and the progress line.
+    fn finish(&mut self, run: Running) {
+        let result = BatchResult {
+            batch: run.batch,
+            records: run.records,
+            verifier: run.verifier,
+            verifier_cpu_s: run.verifier_cpu_s,
+            gateway_cpu_s: run.gateway_cpu_s,
+            wall_s: run.wall_s,
+            drift_switch: run.switch,
+        };
+        self.estimated_done += self.plan.estimate_batch(&result.batch);
+        self.progress(&result);
+        self.results.push(result);
     }
 
     /// The verifier's counters now (read directly, not through the proxy: scrapes are not traffic).

@@ -459,7 +459,7 @@ pub fn auto_vs_fixed(rows: &[SpeedRow]) -> Option<AutoVsFixed> {
 }
 
 /// `a` / `b` − 1 in tokens/s within each repetition both ran, spread over repetitions. A repetition runs
-/// every mode at a link back to back ([`crate::plan::Plan::schedule`]), so the pair leaves out how the
+/// the modes of a link prompt by prompt in turns ([`crate::plan::Plan::links`]), so the pair leaves out how the
 /// shared host's speed drifts between repetitions, which moves each mode's median by as much as the 5%
 /// `auto` is held to.
 fn paired_by_rep(a: &[&Record], b: &[&Record]) -> Option<Spread> {
