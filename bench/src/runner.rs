@@ -55,19 +55,14 @@ const VERIFIER_KEY: &str = "spade-bench";
 /// One retry per request: a single failure on a busy machine should not cost a 25-minute run.
 const ATTEMPTS: usize = 2;
 
-/// A batch under way: what its requests have cost so far, and where its drift case stands.
+/// A batch under way: its result so far, and where its drift case stands.
 struct Running {
-    batch: Batch,
-    records: Vec<Record>,
-    verifier: VerifierCounters,
-    verifier_cpu_s: f64,
-    gateway_cpu_s: f64,
-    /// Seconds of its own requests (other batches' requests may run between them).
-    wall_s: f64,
-    /// Drift: characters received so far, how many switch the link, and where it switched.
+    /// Its requests so far, and what the servers spent on them (`wall_s`: its own requests' seconds;
+    /// other batches' requests may run between them).
+    result: BatchResult,
+    /// Drift: characters received so far, and how many switch the link.
     received: usize,
     threshold: Option<usize>,
-    switch: Option<DriftSwitch>,
 }
 
 pub struct Runner<'a> {
@@ -156,11 +151,11 @@ impl<'a> Runner<'a> {
                     .flat_map(|(g, (_, _, batches))| batches.iter().filter(timed).map(move |b| (g, b)))
                     .map(|(g, b)| (g, self.begin(b)))
                     .collect();
-                let longest = turn.iter().map(|(_, r)| r.batch.prompts.len()).max().unwrap_or(0);
+                let longest = turn.iter().map(|(_, r)| r.result.batch.prompts.len()).max().unwrap_or(0);
                 for k in 0..longest {
                     for i in turns(rep, k, turn.len()) {
                         let (g, running) = &mut turn[i];
-                        if k < running.batch.prompts.len() {
+                        if k < running.result.batch.prompts.len() {
                             self.run_request(&gateways[*g], running, k).await?;
                         }
                     }
@@ -214,17 +209,16 @@ impl<'a> Runner<'a> {
             };
             (batch.prompts.iter().map(chars).sum::<usize>() / 2).max(1)
         });
-        Running {
+        let result = BatchResult {
             batch: batch.clone(),
             records: Vec::new(),
             verifier: VerifierCounters::default(),
             verifier_cpu_s: 0.0,
             gateway_cpu_s: 0.0,
             wall_s: 0.0,
-            received: 0,
-            threshold,
-            switch: None,
-        }
+            drift_switch: None,
+        };
+        Running { result, received: 0, threshold }
     }
 
     /// The batch's `k`-th request on `gateway`, at the batch's link (drift: the later RTT once the
@@ -232,10 +226,12 @@ impl<'a> Runner<'a> {
     /// different gateways may take turns.
     async fn run_request(&mut self, gateway: &Server, run: &mut Running, k: usize) -> anyhow::Result<()> {
         let (setup, plan) = (self.setup, self.plan);
-        let batch = &run.batch;
+        let Running { result, received, threshold } = run;
+        let batch = &result.batch;
         let link = |rtt_ms: u64| LinkConfig { rtt: Duration::from_millis(rtt_ms), jitter: setup.jitter, loss: setup.loss, seed: Some(setup.seed) };
-        let rtt_now = |switched: bool| if switched { batch.drift_to_ms.unwrap_or(batch.rtt_ms) } else { batch.rtt_ms };
-        self.proxy.set_link(link(rtt_now(run.switch.is_some())))?;
+        let switched_before = result.drift_switch.is_some();
+        let rtt_ms = if switched_before { batch.drift_to_ms.unwrap_or(batch.rtt_ms) } else { batch.rtt_ms };
+        self.proxy.set_link(link(rtt_ms))?;
         let i = batch.prompts[k];
         let prompt = &plan.prompts[i];
         // Seeds differ per prompt and repetition, so sampled repetitions are new samples.
@@ -244,15 +240,14 @@ impl<'a> Runner<'a> {
         let request = ChatRequest { messages: &prompt.messages, max_tokens, temperature: batch.temperature, seed };
         let (verifier_before, vcpu_before, gcpu_before) = (self.counters().await?, cpu_seconds(self.verifier.pid())?, cpu_seconds(gateway.pid())?);
         let started = Instant::now();
-        let (threshold, drift_to) = (run.threshold, batch.drift_to_ms);
-        let (received_before, switched_before) = (run.received, run.switch.is_some());
+        let received_before = *received;
         let mut attempt = 0;
         let outcome = loop {
             attempt += 1;
             let proxy = &self.proxy;
-            let (received, switch) = (&mut run.received, &mut run.switch);
+            let switch = &mut result.drift_switch;
             let mut on_text = |text: &str, at_s: f64| {
-                if let (Some(threshold), Some(to), None) = (threshold, drift_to, &*switch) {
+                if let (Some(threshold), Some(to), None) = (*threshold, batch.drift_to_ms, &*switch) {
                     *received += text.len();
                     if *received >= threshold {
                         // The link is valid (the batch's own, another RTT): this cannot fail.
@@ -266,29 +261,29 @@ impl<'a> Runner<'a> {
                 Err(e) if attempt < ATTEMPTS => {
                     eprintln!("  {}: {e:#}; retrying", prompt.id);
                     // A retried request starts again at the link it started at.
-                    if !switched_before && run.switch.is_some() {
+                    if !switched_before && result.drift_switch.is_some() {
                         self.proxy.set_link(link(batch.rtt_ms))?;
-                        run.switch = None;
+                        result.drift_switch = None;
                     }
-                    run.received = received_before;
+                    *received = received_before;
                 }
                 Err(e) => {
                     return Err(e.context(format!("{}, rep {}, {:?} at RTT {} ms, prompt {}", batch.mode, batch.rep, batch.kind, batch.rtt_ms, prompt.id)))
                 }
             }
         };
-        run.wall_s += started.elapsed().as_secs_f64();
-        if let Some(s) = run.switch.as_mut().filter(|s| s.request == k) {
+        result.wall_s += started.elapsed().as_secs_f64();
+        if let Some(s) = result.drift_switch.as_mut().filter(|s| s.request == k) {
             s.share_of_request = Some(s.at_s / outcome.total_s.max(1e-9));
         }
         // Target-only's greedy outputs place the drift switch: the same characters for every mode.
         if batch.mode == Mode::TargetOnly && batch.temperature == 0.0 {
             self.reference_chars.entry((prompt.id.clone(), max_tokens)).or_insert(outcome.text.len());
         }
-        run.verifier.add(&self.counters().await?.since(&verifier_before));
-        run.verifier_cpu_s += cpu_seconds(self.verifier.pid())? - vcpu_before;
-        run.gateway_cpu_s += cpu_seconds(gateway.pid())? - gcpu_before;
-        run.records.push(Record {
+        result.verifier.add(&self.counters().await?.since(&verifier_before));
+        result.verifier_cpu_s += cpu_seconds(self.verifier.pid())? - vcpu_before;
+        result.gateway_cpu_s += cpu_seconds(gateway.pid())? - gcpu_before;
+        result.records.push(Record {
             rep: batch.rep,
             mode: batch.mode,
             kind: batch.kind,
@@ -305,18 +300,9 @@ impl<'a> Runner<'a> {
 
     /// A batch done: its result, and the progress line.
     fn finish(&mut self, run: Running) {
-        let result = BatchResult {
-            batch: run.batch,
-            records: run.records,
-            verifier: run.verifier,
-            verifier_cpu_s: run.verifier_cpu_s,
-            gateway_cpu_s: run.gateway_cpu_s,
-            wall_s: run.wall_s,
-            drift_switch: run.switch,
-        };
-        self.estimated_done += self.plan.estimate_batch(&result.batch);
-        self.progress(&result);
-        self.results.push(result);
+        self.estimated_done += self.plan.estimate_batch(&run.result.batch);
+        self.progress(&run.result);
+        self.results.push(run.result);
     }
 
     /// The verifier's counters now (read directly, not through the proxy: scrapes are not traffic).
