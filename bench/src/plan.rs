@@ -458,7 +458,7 @@ mod tests {
             vec![(0, Mode::TargetOnly), (0, Mode::DraftOnly), (0, Mode::Speculative(1)), (0, Mode::Speculative(4)), (0, Mode::Auto), (0, Mode::NoAhead(4))];
         even.extend((1..plan.gateways(0, Mode::Auto).len()).flat_map(|n| spec.map(|m| (n, m))));
         assert_eq!(order(0), even);
-        // Odd repetitions reverse the modes after target-only, whose outputs place the drift switch.
+        // Odd repetitions reverse the modes after target-only, so the turns of a link differ between repetitions.
         let odd = order(1);
         assert_eq!(
             odd[..6],
