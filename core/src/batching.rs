@@ -131,33 +131,51 @@ impl RowCost {
 /// takes it as its prior of the verifier's cost ([`crate::draft_control::Estimates::seed_verifier_passes`]):
 /// a CPU verifier's block costs nearly a step per row, a GPU's about one step whatever its rows, and a
 /// fresh gateway that assumes either spends its first rounds on the wrong length.
+///
+/// A size's time is its start-up time times the host's `pace` (learnt from passes of every size) times
+/// the size's own `shape` correction (learnt from its passes only, more slowly). When each size followed
+/// only its own passes, the sizes no gateway drafted kept their start-up times while the drafted ones
+/// followed a host that had slowed by a third: a gateway was seeded with 231 ms for 4 rows and 244 for 3
+/// (start-up) beside 322 for 5 (lately), took 5 rows for costlier than 285 ms they took, and drafted
+/// 1-3 where 4 was faster (benchmark quick-dec3-turns; 7 of its 12 `auto` gateways had seeds not
+/// rising with rows).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct PassTimes {
-    /// Seconds; entry `i` is a pass of `i + 1` rows.
-    seconds: Vec<f64>,
+    /// Seconds at start-up; entry `i` is a pass of `i + 1` rows.
+    calibrated: Vec<f64>,
+    /// How much slower than at start-up the host has run passes lately, over every size.
+    pace: f64,
+    /// Per size, how much slower than `calibrated * pace` its own passes have run.
+    shape: Vec<f64>,
 }
 
 impl PassTimes {
-    /// Weight of a new pass: one slow pass on a shared host moves a size's time a tenth of the way.
-    const GAIN: f64 = 0.1;
+    /// Weight of a pass in the host's pace: one slow pass on a shared host moves it a tenth of the way.
+    const PACE_GAIN: f64 = 0.1;
+    /// Weight of a pass in its size's shape: slower than the pace, so that a host that slows while one
+    /// size is drafted moves the pace (every size) more than that size's shape.
+    const SHAPE_GAIN: f64 = 0.02;
 
     /// From start-up timings, entry `i` of `i + 1` rows; sizes past them are never tracked.
     pub fn new(calibrated: &[Duration]) -> Self {
-        Self { seconds: calibrated.iter().map(Duration::as_secs_f64).collect() }
+        Self { calibrated: calibrated.iter().map(Duration::as_secs_f64).collect(), pace: 1.0, shape: vec![1.0; calibrated.len()] }
     }
 
     /// A pass of `rows` rows that scored one call took `seconds`.
     pub fn observe(&mut self, rows: usize, seconds: f64) {
-        if let Some(t) = rows.checked_sub(1).and_then(|i| self.seconds.get_mut(i)) {
-            if seconds.is_finite() && seconds > 0.0 {
-                *t += Self::GAIN * (seconds - *t);
-            }
+        let Some(i) = rows.checked_sub(1).filter(|&i| i < self.calibrated.len()) else { return };
+        let calibrated = self.calibrated[i];
+        if !(seconds.is_finite() && seconds > 0.0 && calibrated > 0.0) {
+            return;
         }
+        let ratio = seconds / calibrated;
+        self.pace += Self::PACE_GAIN * (ratio / self.shape[i] - self.pace);
+        self.shape[i] += Self::SHAPE_GAIN * (ratio / self.pace - self.shape[i]);
     }
 
     /// Milliseconds, entry `i` for `i + 1` rows.
     pub fn milliseconds(&self) -> Vec<f64> {
-        self.seconds.iter().map(|s| s * 1e3).collect()
+        self.calibrated.iter().zip(&self.shape).map(|(s, shape)| s * self.pace * shape * 1e3).collect()
     }
 }
 
@@ -351,16 +369,40 @@ mod tests {
         let ms = Duration::from_millis;
         let mut times = PassTimes::new(&[ms(50), ms(90)]);
         assert_eq!(times.milliseconds(), vec![50.0, 90.0]);
-        times.observe(2, 0.190);
-        assert!((times.milliseconds()[1] - 100.0).abs() < 1e-9, "{:?}", times.milliseconds());
         for bad in [f64::NAN, f64::INFINITY, 0.0, -1.0] {
             times.observe(1, bad);
         }
         times.observe(0, 1.0);
         times.observe(3, 1.0);
-        assert_eq!(times.milliseconds().len(), 2, "untimed sizes are not tracked");
-        assert!((times.milliseconds()[0] - 50.0).abs() < 1e-9);
+        assert_eq!(times.milliseconds(), vec![50.0, 90.0], "untimed sizes and nonsense are not learnt");
         assert!(PassTimes::default().milliseconds().is_empty());
+        let mut untimed = PassTimes::new(&[ms(0), ms(90)]);
+        untimed.observe(1, 0.1);
+        assert_eq!(untimed.milliseconds(), vec![0.0, 90.0], "a size timed at zero says nothing of the pace");
+    }
+
+    #[test]
+    fn a_slower_host_moves_every_size_and_a_sizes_own_passes_correct_its_shape() {
+        let ms = Duration::from_millis;
+        let start: Vec<Duration> = [100, 160, 210, 250, 290].map(ms).to_vec();
+        // The host slows by a third while only 5-row passes run: every size follows, mostly through the pace.
+        let mut times = PassTimes::new(&start);
+        for _ in 0..60 {
+            times.observe(5, 0.290 * 4.0 / 3.0);
+        }
+        let now = times.milliseconds();
+        assert!((now[4] - 290.0 * 4.0 / 3.0).abs() < 1.0, "{now:?}");
+        assert!(now.windows(2).all(|w| w[0] < w[1]) && now[2] > 210.0 * 1.25, "{now:?}");
+        // A size timed 10% low at start-up comes to its passes' time while the others keep theirs.
+        let mut times = PassTimes::new(&start);
+        for _ in 0..400 {
+            for (rows, ms) in [(2, 160.0), (3, 231.0), (5, 290.0)] {
+                times.observe(rows, ms / 1e3);
+            }
+        }
+        let now = times.milliseconds();
+        assert!((now[2] - 231.0).abs() < 3.0 && (now[1] - 160.0).abs() < 3.0 && (now[4] - 290.0).abs() < 3.0, "{now:?}");
+        assert!((now[0] - 100.0).abs() < 5.0 && (now[3] - 250.0).abs() < 10.0, "{now:?}");
     }
 
     #[test]

@@ -156,9 +156,15 @@ pub trait Scorer: Send + Sync {
 /// Context a timed pass scores after: a short prompt's worth, so attention costs what it does in a chat.
 const TIMING_CONTEXT: u32 = 64;
 
-/// The time of one forward pass of each block size `1..=max_rows` on a throwaway session (the fastest
-/// of two, since another process can only slow a pass), each after the same context with logits for
-/// every row, as a verify call's block is scored: entry `i` for `i + 1` rows.
+/// Sweeps over every block size [`time_passes`] takes: the fastest of them is kept per size.
+const TIMING_SWEEPS: usize = 3;
+
+/// The time of one forward pass of each block size `1..=max_rows` on a throwaway session, each after
+/// the same context with logits for every row, as a verify call's block is scored: entry `i` for
+/// `i + 1` rows. The sizes are timed in [`TIMING_SWEEPS`] sweeps, each size's fastest pass kept, since
+/// another process can only slow a pass: timing each size's passes one after another let one slow
+/// stretch of a shared host land on one or two sizes, and 4 rows came out faster than 3 (benchmark
+/// quick-dec3-turns), which no later pass of those sizes corrected.
 /// A model with a short context times fewer sizes, after a shorter context.
 pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time::Duration>, EngineError> {
     let (vocab, max_context) = (scorer.meta().vocab_size.clamp(1, 30_000), scorer.meta().max_context as usize);
@@ -168,18 +174,16 @@ pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time
     let mut session = scorer.new_session();
     // Also the first pass over the weights, which pays for faulting them in.
     session.score(&tokens[..context], 1)?;
-    (1..=max_rows)
-        .map(|rows| {
-            let mut fastest = std::time::Duration::MAX;
-            for _ in 0..2 {
-                session.truncate(context);
-                let started = std::time::Instant::now();
-                session.score(&tokens[..context + rows], rows)?;
-                fastest = fastest.min(started.elapsed());
-            }
-            Ok(fastest)
-        })
-        .collect()
+    let mut fastest = vec![std::time::Duration::MAX; max_rows];
+    for _ in 0..TIMING_SWEEPS {
+        for (rows, fastest) in (1..=max_rows).zip(&mut fastest) {
+            session.truncate(context);
+            let started = std::time::Instant::now();
+            session.score(&tokens[..context + rows], rows)?;
+            *fastest = (*fastest).min(started.elapsed());
+        }
+    }
+    Ok(fastest)
 }
 
 /// One session's share of a [`Scorer::score_batch`] pass.

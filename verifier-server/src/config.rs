@@ -53,9 +53,9 @@ pub struct Config {
 
     /// At start-up, time one forward pass of each block size up to this many rows (a block of d drafts
     /// has d + 1; at most --max-draft + 1) and report the times in /v1/info (`pass_ms`), where gateways
-    /// start their `auto` draft length's cost model; they are updated as calls are served. Two passes
-    /// a size after a 64-token context: 5 s for the default on one CPU core with a 1.5B model, and
-    /// more for a larger model (its time per row). 0 times none.
+    /// start their `auto` draft length's cost model; they are updated as calls are served. Three sweeps
+    /// over the sizes after a 64-token context: 8 s for the default on one CPU core with a 1.5B model,
+    /// and more for a larger model (its time per row). 0 times none.
     #[arg(long, env = "SPADE_VERIFIER_TIME_PASSES", default_value_t = 9)]
     pub time_passes: usize,
 
