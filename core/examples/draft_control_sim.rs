@@ -2,7 +2,7 @@
 //! acceptance: tokens per second of round time, so the controller can be tried in seconds instead of a
 //! 15-minute benchmark. Beside each rate: the verifier's milliseconds per committed token (the cloud's cost).
 //!
-//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds] [--alignment] [--pass-ms=…] [--seed-ms=…] [--phases]
+//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds] [--alignment] [--pass-ms=…] [--seed-ms=…] [--step-ms=…] [--phases]
 //!
 //! `TRACE_FILE` holds one generation per line: for each of its output positions `1` where the draft
 //! model's greedy token equals the target's (given the target's text before it) and `0` where not.
@@ -39,6 +39,7 @@ const MAX_DRAFT: usize = 8;
 /// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark
 /// (`--pass-ms=A,B,…` replaces it).
 const PASS_MS: [f64; 9] = [57.0, 117.0, 144.0, 176.0, 206.0, 211.0, 235.0, 282.0, 319.0];
+/// The draft model's step, seconds (`--step-ms=` replaces it).
 const STEP_S: f64 = 0.032;
 const START_S: f64 = 0.005;
 /// Generations replayed per trace (each with its own noise).
@@ -46,6 +47,7 @@ const REPEATS: u64 = 8;
 
 struct World<'a> {
     pass_ms: &'a [f64],
+    step_s: f64,
     phases: bool,
     /// Whether the host is in a slow stretch (`--phases`).
     slow: bool,
@@ -92,7 +94,7 @@ impl World<'_> {
     }
 
     fn step_s(&mut self) -> f64 {
-        STEP_S * self.rng.random_range(0.85..1.15)
+        self.step_s * self.rng.random_range(0.85..1.15)
     }
 }
 
@@ -115,8 +117,15 @@ fn draft(world: &mut World, start: usize, len: usize) -> Block {
 /// chose with (the pooled acceptance, plain and optimistic as chosen with at position 0).
 fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, setup: &Setup) -> (f64, f64) {
     let log = setup.log && fixed.is_none() && seed.is_multiple_of(1000);
-    let mut world =
-        World { pass_ms: &setup.pass_ms, phases: setup.phases, slow: false, rng: ChaCha8Rng::seed_from_u64(seed), accepted: accepted.to_vec(), rtt };
+    let mut world = World {
+        pass_ms: &setup.pass_ms,
+        step_s: setup.step_s,
+        phases: setup.phases,
+        slow: false,
+        rng: ChaCha8Rng::seed_from_u64(seed),
+        accepted: accepted.to_vec(),
+        rtt,
+    };
     let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).without_early_stop();
     let choose = |ctl: &mut DraftController| fixed.unwrap_or_else(|| ctl.choose());
     // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
@@ -184,6 +193,7 @@ struct Setup {
     pass_ms: Vec<f64>,
     /// What the gateways are seeded with.
     seed_ms: Vec<f64>,
+    step_s: f64,
     phases: bool,
     /// One gateway serves every generation in turn (its estimates seeding each); otherwise each
     /// generation meets a fresh gateway.
@@ -257,6 +267,7 @@ fn main() {
     let setup = Setup {
         pass_ms,
         seed_ms,
+        step_s: list("--step-ms=").map_or(STEP_S, |ms| ms[0] / 1e3),
         phases: flags.iter().any(|f| f == "--phases"),
         warm: flags.iter().any(|f| f == "--warm"),
         log: flags.iter().any(|f| f == "--rounds"),

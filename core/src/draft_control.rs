@@ -541,17 +541,29 @@ impl Estimates {
     /// verifier's block costs ~40 ms a row: `auto` then sent blocks of 5-7 drafts at RTT 0 for the dozen
     /// rounds its fit took to learn the slope, ~15% of a 128-token generation's time. Calling it again
     /// (each health check) changes nothing the gateway has measured. Returns how many sizes it seeded.
+    ///
+    /// The times are taken as never falling with rows (their closest such fit, [`never_falling`]): a pass
+    /// of more rows does all the work of one of fewer, and a verifier's times that fall are noise of its
+    /// timing (4 rows at 231 ms after 3 at 244), which made a block of 3 drafts look cheaper than it
+    /// was against both neighbours (benchmark quick-dec3-turns, 7 of its 12 `auto` gateways' seeds).
     pub fn seed_verifier_passes(&mut self, pass_s: &[f64]) -> usize {
-        let timed = || pass_s.iter().enumerate().filter(|(_, s)| s.is_finite() && **s > 0.0 && **s <= MAX_SAMPLE_S).map(|(i, &s)| (i + 1, s));
+        let timed: Vec<(usize, f64)> = pass_s
+            .iter()
+            .take(MAX_POSITIONS + 1)
+            .enumerate()
+            .filter(|(_, s)| s.is_finite() && **s > 0.0 && **s <= MAX_SAMPLE_S)
+            .map(|(i, &s)| (i + 1, s))
+            .collect();
+        let timed = never_falling(timed);
         let mut seeded = 0;
-        for (rows, seconds) in timed().take(MAX_POSITIONS + 1) {
+        for &(rows, seconds) in &timed {
             if self.verify_by_rows.get(rows).copied().flatten().is_none() {
                 self.measure_verify(rows, seconds);
                 seeded += 1;
             }
         }
         if self.fit.w == 0.0 {
-            for (rows, seconds) in timed() {
+            for &(rows, seconds) in &timed {
                 self.fit.add(rows as f64, seconds);
             }
             if self.fit.w > 0.0 {
@@ -560,6 +572,23 @@ impl Estimates {
         }
         seeded
     }
+}
+
+/// The closest values (least squares) to `points`' that never fall from one point to the next: each run
+/// of points that falls is replaced by its mean (pool adjacent violators). Points in order of `rows`.
+fn never_falling(points: Vec<(usize, f64)>) -> Vec<(usize, f64)> {
+    // Runs of pooled points: (mean, count).
+    let mut runs: Vec<(f64, usize)> = Vec::with_capacity(points.len());
+    for &(_, value) in &points {
+        let mut run = (value, 1);
+        while let Some((mean, count)) = runs.last().copied().filter(|&(mean, _)| mean > run.0) {
+            runs.pop();
+            run = ((mean * count as f64 + run.0 * run.1 as f64) / (count + run.1) as f64, count + run.1);
+        }
+        runs.push(run);
+    }
+    let means = runs.into_iter().flat_map(|(mean, count)| std::iter::repeat_n(mean, count));
+    points.iter().zip(means).map(|(&(rows, _), mean)| (rows, mean)).collect()
 }
 
 impl Fit {
@@ -1097,6 +1126,26 @@ mod tests {
         let mut odd = Estimates::default();
         assert_eq!(odd.seed_verifier_passes(&[f64::NAN, -1.0, 0.0, f64::INFINITY, 1e9]), 0);
         assert!(odd.verify_by_rows.iter().all(Option::is_none) && odd.fit.w == 0.0 && close(odd.verify_b_s, 0.008), "{odd:?}");
+    }
+
+    #[test]
+    fn the_verifiers_pass_times_are_seeded_as_never_falling_with_rows() {
+        let fit = |values: &[f64]| never_falling(values.iter().enumerate().map(|(i, &v)| (i + 1, v)).collect()).into_iter().map(|(_, v)| v).collect::<Vec<_>>();
+        assert_eq!(fit(&[1.0, 2.0, 2.0, 3.0]), vec![1.0, 2.0, 2.0, 3.0]);
+        assert_eq!(fit(&[1.0, 4.0, 2.0, 3.0, 5.0]), vec![1.0, 3.0, 3.0, 3.0, 5.0]);
+        assert_eq!(fit(&[3.0, 2.0, 1.0]), vec![2.0, 2.0, 2.0]);
+        assert!(fit(&[]).is_empty());
+        // A verifier's pass times as one benchmark gateway was seeded with them (milliseconds).
+        let mut e = Estimates::default();
+        let seeded: Vec<f64> = [95.0, 161.0, 244.0, 231.0, 322.0, 399.0, 479.0, 457.0, 493.0].map(|ms| ms / 1e3).to_vec();
+        assert_eq!(e.seed_verifier_passes(&seeded), 9);
+        let v: Vec<f64> = (1..=9).map(|rows| e.verify_time(rows)).collect();
+        assert!(close(v[2], 0.2375) && close(v[3], 0.2375) && close(v[6], 0.468) && close(v[7], 0.468), "{v:?}");
+        assert!(close(v[0], 0.095) && close(v[4], 0.322) && close(v[8], 0.493), "{v:?}");
+        // Skipped entries leave the sizes around them in order of rows.
+        let mut gaps = Estimates::default();
+        assert_eq!(gaps.seed_verifier_passes(&[0.1, f64::NAN, 0.3, 0.2]), 3);
+        assert!(close(gaps.verify_time(3), 0.25) && close(gaps.verify_time(4), 0.25) && close(gaps.verify_time(2), 0.175), "{gaps:?}");
     }
 
     #[test]
