@@ -16,6 +16,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use crate::pass_times::{Gains, PacedTimes};
+
 /// One waiting call, in arrival order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Waiting {
@@ -130,52 +132,45 @@ impl RowCost {
 /// published in `/v1/info` ([`crate::protocol::ModelInfo::pass_ms`]), where a gateway's draft-length model
 /// takes it as its prior of the verifier's cost ([`crate::draft_control::Estimates::seed_verifier_passes`]):
 /// a CPU verifier's block costs nearly a step per row, a GPU's about one step whatever its rows, and a
-/// fresh gateway that assumes either spends its first rounds on the wrong length.
-///
-/// A size's time is its start-up time times the host's `pace` (learnt from passes of every size) times
-/// the size's own `shape` correction (learnt from its passes only, more slowly). When each size followed
-/// only its own passes, the sizes no gateway drafted kept their start-up times while the drafted ones
-/// followed a host that had slowed by a third: a gateway was seeded with 231 ms for 4 rows and 244 for 3
-/// (start-up) beside 322 for 5 (lately), took 5 rows for costlier than 285 ms they took, and drafted
-/// 1-3 where 4 was faster (benchmark quick-dec3-turns; 7 of its 12 `auto` gateways had seeds not
-/// rising with rows).
-#[derive(Debug, Clone, Default, PartialEq)]
+/// fresh gateway that assumes either spends its first rounds on the wrong length. A pass moves the
+/// host's pace, which every size shares, and its own size's time by less ([`crate::pass_times`]).
+#[derive(Debug, Clone, PartialEq)]
 pub struct PassTimes {
-    /// Seconds at start-up; entry `i` is a pass of `i + 1` rows.
-    calibrated: Vec<f64>,
-    /// How much slower than at start-up the host has run passes lately, over every size.
-    pace: f64,
-    /// Per size, how much slower than `calibrated * pace` its own passes have run.
-    shape: Vec<f64>,
+    times: PacedTimes,
+    /// Sizes timed at start-up: `1..=sizes`; passes of others are not tracked.
+    sizes: usize,
 }
 
 impl PassTimes {
-    /// Weight of a pass in the host's pace: one slow pass on a shared host moves it a tenth of the way.
-    const PACE_GAIN: f64 = 0.1;
-    /// Weight of a pass in its size's shape: slower than the pace, so that a host that slows while one
-    /// size is drafted moves the pace (every size) more than that size's shape.
-    const SHAPE_GAIN: f64 = 0.02;
+    /// A pass moves the pace a tenth of the way (one slow pass on a shared host), its size's own time a
+    /// fiftieth; every pass is believed in full.
+    const GAINS: Gains = Gains { pace: 0.1, shape: 0.02, max_ratio: f64::INFINITY };
 
     /// From start-up timings, entry `i` of `i + 1` rows; sizes past them are never tracked.
     pub fn new(calibrated: &[Duration]) -> Self {
-        Self { calibrated: calibrated.iter().map(Duration::as_secs_f64).collect(), pace: 1.0, shape: vec![1.0; calibrated.len()] }
+        let mut times = PacedTimes::new(Self::GAINS);
+        for (i, time) in calibrated.iter().enumerate() {
+            times.observe(i + 1, time.as_secs_f64());
+        }
+        Self { times, sizes: calibrated.len() }
     }
 
     /// A pass of `rows` rows that scored one call took `seconds`.
     pub fn observe(&mut self, rows: usize, seconds: f64) {
-        let Some(i) = rows.checked_sub(1).filter(|&i| i < self.calibrated.len()) else { return };
-        let calibrated = self.calibrated[i];
-        if !(seconds.is_finite() && seconds > 0.0 && calibrated > 0.0) {
-            return;
+        if (1..=self.sizes).contains(&rows) {
+            self.times.observe(rows, seconds);
         }
-        let ratio = seconds / calibrated;
-        self.pace += Self::PACE_GAIN * (ratio / self.shape[i] - self.pace);
-        self.shape[i] += Self::SHAPE_GAIN * (ratio / self.pace - self.shape[i]);
     }
 
-    /// Milliseconds, entry `i` for `i + 1` rows.
+    /// Milliseconds, entry `i` for `i + 1` rows (0 for a size whose start-up timing failed).
     pub fn milliseconds(&self) -> Vec<f64> {
-        self.calibrated.iter().zip(&self.shape).map(|(s, shape)| s * self.pace * shape * 1e3).collect()
+        (1..=self.sizes).map(|rows| self.times.get(rows).map_or(0.0, |s| s * 1e3)).collect()
+    }
+}
+
+impl Default for PassTimes {
+    fn default() -> Self {
+        Self::new(&[])
     }
 }
 
@@ -375,34 +370,11 @@ mod tests {
         times.observe(0, 1.0);
         times.observe(3, 1.0);
         assert_eq!(times.milliseconds(), vec![50.0, 90.0], "untimed sizes and nonsense are not learnt");
+        // A slower pass of 2 rows moves 1 row's time too, through the pace.
+        times.observe(2, 0.1);
+        assert!((times.milliseconds()[0] - 50.0 * (1.0 + 0.1 * (100.0 / 90.0 - 1.0))).abs() < 1e-9, "{:?}", times.milliseconds());
         assert!(PassTimes::default().milliseconds().is_empty());
-        let mut untimed = PassTimes::new(&[ms(0), ms(90)]);
-        untimed.observe(1, 0.1);
-        assert_eq!(untimed.milliseconds(), vec![0.0, 90.0], "a size timed at zero says nothing of the pace");
-    }
-
-    #[test]
-    fn a_slower_host_moves_every_size_and_a_sizes_own_passes_correct_its_shape() {
-        let ms = Duration::from_millis;
-        let start: Vec<Duration> = [100, 160, 210, 250, 290].map(ms).to_vec();
-        // The host slows by a third while only 5-row passes run: every size follows, mostly through the pace.
-        let mut times = PassTimes::new(&start);
-        for _ in 0..60 {
-            times.observe(5, 0.290 * 4.0 / 3.0);
-        }
-        let now = times.milliseconds();
-        assert!((now[4] - 290.0 * 4.0 / 3.0).abs() < 1.0, "{now:?}");
-        assert!(now.windows(2).all(|w| w[0] < w[1]) && now[2] > 210.0 * 1.25, "{now:?}");
-        // A size timed 10% low at start-up comes to its passes' time while the others keep theirs.
-        let mut times = PassTimes::new(&start);
-        for _ in 0..400 {
-            for (rows, ms) in [(2, 160.0), (3, 231.0), (5, 290.0)] {
-                times.observe(rows, ms / 1e3);
-            }
-        }
-        let now = times.milliseconds();
-        assert!((now[2] - 231.0).abs() < 3.0 && (now[1] - 160.0).abs() < 3.0 && (now[4] - 290.0).abs() < 3.0, "{now:?}");
-        assert!((now[0] - 100.0).abs() < 5.0 && (now[3] - 250.0).abs() < 10.0, "{now:?}");
+        assert_eq!(PassTimes::new(&[ms(0), ms(90)]).milliseconds(), vec![0.0, 90.0]);
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
+//! - [`pass_times`]: a forward pass's time by rows, learnt as each size's own time times a pace all share.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering both servers use.
 //! - [`fastmath`]: a vectorisable `e^x` for the per-vocabulary and per-score loops.
@@ -25,6 +26,7 @@ pub mod grammar;
 pub mod limits;
 pub mod metrics;
 pub mod openai;
+pub mod pass_times;
 pub mod penalties;
 pub mod protocol;
 pub mod rng;
