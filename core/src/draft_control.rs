@@ -51,9 +51,9 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 use crate::pass_times::{Gains, PacedTimes};
-use utoipa::ToSchema;
 
 /// Buckets of the acceptance-by-confidence table, of equal width over `[0, 1]`.
 const BUCKETS: usize = 10;
@@ -100,12 +100,12 @@ const MAX_SAMPLE_S: f64 = 600.0;
 /// something else (the draft model's prompt processing, another generation's round) must not set the
 /// step time for many rounds, which it would when no drafting follows to correct it (a length of 0).
 const MAX_DRAFT_SAMPLE_RATIO: f64 = 4.0;
-/// A verifier-time sample moves its block size's time at most this factor either way. Calls of one size
+/// A verifier-time sample is read at most this factor off its block size's modelled time either way. Calls of one size
 /// vary by 8-12% from one to the next, but one in 27 takes over 35% longer (a shared host), and a size
 /// timed once or twice during one, then left, kept that time: `auto` drafted 2-3 for the rest of a text
 /// where 4 was 15% faster (benchmark quick-dec3-four and -four2, replayed with
 /// `examples/draft_control_replay.rs`). A verifier that got 50% slower is still believed within about ten
-/// calls of each size.
+/// calls.
 const MAX_VERIFY_SAMPLE_RATIO: f64 = 1.15;
 /// How the verifier's time by block size is learnt ([`crate::pass_times`]): a call moves the pace every
 /// size shares at [`TIME_GAIN`] and its own size's time at 0.05. When each size followed only its own

@@ -45,8 +45,9 @@ impl PacedTimes {
         self.shape.len()
     }
 
+    /// Whether no size was timed (a size's slot exists only once it is).
     pub fn is_empty(&self) -> bool {
-        self.shape.iter().all(Option::is_none)
+        self.shape.is_empty()
     }
 
     /// The factor every size's time is read at.
@@ -74,7 +75,7 @@ impl PacedTimes {
         }
     }
 
-    /// Sets the time of a size never timed, as [`PacedTimes::observe`] does; false where it was timed.
+    /// Sets the time of a size never timed, as [`PacedTimes::observe`] does; whether it set one.
     pub fn observe_if_untimed(&mut self, rows: usize, seconds: f64) -> bool {
         let untimed = self.get(rows).is_none();
         if untimed {
