@@ -162,7 +162,7 @@ impl PassTimes {
         }
     }
 
-    /// Milliseconds, entry `i` for `i + 1` rows (0 for a size whose start-up timing failed).
+    /// Milliseconds, entry `i` for `i + 1` rows (0 for a size timed at zero, which is not tracked).
     pub fn milliseconds(&self) -> Vec<f64> {
         (1..=self.sizes).map(|rows| self.times.get(rows).map_or(0.0, |s| s * 1e3)).collect()
     }
