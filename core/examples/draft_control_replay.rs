@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use spade_core::draft_control::{DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, DraftController, Estimates, RoundObservation};
 
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
@@ -73,7 +73,7 @@ fn main() {
         };
         if first_call {
             // A new generation: its controller starts from what the gateway has learned so far.
-            let mut controller = DraftController::new(max_draft, true, gateway.clone()).without_early_stop();
+            let mut controller = DraftController::new(max_draft, true, gateway.clone()).with_block_end(BlockEnd::Length);
             // During the prompt's call the loop already chose the block to draft ahead.
             if controller.choose().min(max_tokens.saturating_sub(2)) == 0 {
                 controller.probe();

@@ -2,7 +2,12 @@
 //! acceptance: tokens per second of round time, so the controller can be tried in seconds instead of a
 //! 15-minute benchmark. Beside each rate: the verifier's milliseconds per committed token (the cloud's cost).
 //!
-//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds] [--alignment] [--pass-ms=…] [--seed-ms=…] [--step-ms=…] [--phases]
+//!   cargo run --release --example draft_control_sim -p spade-core -- TRACE_FILE [RTT_MS ... | drift] [--warm] [--rounds] [--alignment] [--pass-ms=…] [--seed-ms=…] [--step-ms=…] [--phases] [--block-end=length|early|confidence]
+//!
+//! A trace line may go on, after a space, with the draft's confidence at each position, comma-separated
+//! (`engine/examples/acceptance_trace.rs` writes such lines: `bench/reference/acceptance-confidence-traces.txt`,
+//! the same four texts teacher-forced); `auto`'s blocks then end where `--block-end` says (the gateway's
+//! default, `confidence`, unless given), and without confidences the rule reads acceptance by position alone.
 //!
 //! `TRACE_FILE` holds one generation per line: for each of its output positions `1` where the draft
 //! model's greedy token equals the target's (given the target's text before it) and `0` where not.
@@ -33,7 +38,7 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use spade_core::draft_control::{DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, BlockOdds, DraftController, Estimates, RoundObservation};
 
 const MAX_DRAFT: usize = 8;
 /// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark
@@ -53,6 +58,8 @@ struct World<'a> {
     slow: bool,
     rng: ChaCha8Rng,
     accepted: Vec<bool>,
+    /// The draft's confidence at each position (empty: the trace has none).
+    confidences: Vec<f32>,
     rtt: Link,
 }
 
@@ -67,6 +74,10 @@ impl World<'_> {
     /// Whether the draft's token at `position` is the target's (past the trace: no).
     fn agrees(&self, position: usize) -> bool {
         self.accepted.get(position).copied().unwrap_or(false)
+    }
+
+    fn confidence(&self, position: usize) -> f32 {
+        self.confidences.get(position).copied().unwrap_or(f32::NAN)
     }
 
     fn rtt_s(&self, committed: usize) -> f64 {
@@ -112,10 +123,27 @@ fn draft(world: &mut World, start: usize, len: usize) -> Block {
     Block { start, len, drafting_s: if len > 0 { START_S + step_s * len as f64 } else { 0.0 }, step_s }
 }
 
+/// How many of up to `cap` tokens from `start` a block drafts: all of them, or (`auto` with blocks that
+/// end on confidence) until the controller's [`DraftController::keep_drafting`] says stop.
+fn block_len(ctl: &DraftController, world: &World, start: usize, cap: usize, fixed: Option<usize>) -> usize {
+    if fixed.is_some() {
+        return cap;
+    }
+    let mut odds = BlockOdds::default();
+    let mut len = 0;
+    while len < cap {
+        len += 1;
+        if !ctl.keep_drafting(&mut odds, world.confidence(start + len - 1)) {
+            break;
+        }
+    }
+    len
+}
+
 /// Seconds of round time and verifier seconds for one generation, with a fixed length, or `auto` when
 /// `fixed` is None; `log`: print each round (`drafted/accepted`, `A` when drafted ahead) and what `auto`
 /// chose with (the pooled acceptance, plain and optimistic as chosen with at position 0).
-fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gateway: &mut Estimates, setup: &Setup) -> (f64, f64) {
+fn generation(fixed: Option<usize>, (accepted, confidences): (&[bool], &[f32]), rtt: Link, seed: u64, gateway: &mut Estimates, setup: &Setup) -> (f64, f64) {
     let log = setup.log && fixed.is_none() && seed.is_multiple_of(1000);
     let mut world = World {
         pass_ms: &setup.pass_ms,
@@ -124,14 +152,22 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
         slow: false,
         rng: ChaCha8Rng::seed_from_u64(seed),
         accepted: accepted.to_vec(),
+        confidences: confidences.to_vec(),
         rtt,
     };
-    let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).without_early_stop();
-    let choose = |ctl: &mut DraftController| fixed.unwrap_or_else(|| ctl.choose());
+    let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).with_block_end(setup.block_end);
+    // The most the next block may draft.
+    let choose = |ctl: &mut DraftController| {
+        fixed.unwrap_or_else(|| {
+            ctl.choose();
+            ctl.block_cap()
+        })
+    };
     // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
     // prompt's processing) and drafted on from there when the guess was right.
     let mut committed = 1;
     let first = choose(&mut ctl);
+    let first = block_len(&ctl, &world, 1, first, fixed);
     let mut ahead = world.agrees(0).then(|| Block { drafting_s: 0.0, ..draft(&mut world, 1, first) });
     let (mut time, mut verifier_total_s) = (0.0, 0.0);
     while committed < accepted.len() {
@@ -140,7 +176,10 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
         let block = match ahead.take() {
             // Cut to `d`, or sent short (the gateway's draft stream ends at the length it was started with).
             Some(pre) => Block { len: pre.len.min(d), ..pre },
-            None => draft(&mut world, committed, d),
+            None => {
+                let len = block_len(&ctl, &world, committed, d, fixed);
+                draft(&mut world, committed, len)
+            }
         };
         debug_assert_eq!(block.start, committed);
         let rtt_s = world.rtt_s(committed);
@@ -154,7 +193,8 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
         let guess_at = block.start + block.len;
         let guess_ok = world.agrees(guess_at);
         let probes = next_d > 0 || block.len > 0 || ctl.probe();
-        let next = draft(&mut world, guess_at + 1, next_d);
+        let next_len = block_len(&ctl, &world, guess_at + 1, next_d, fixed);
+        let next = draft(&mut world, guess_at + 1, next_len);
         let ahead_s = START_S + world.step_s() + next.drafting_s;
         if log {
             let c = ctl.choice();
@@ -175,7 +215,7 @@ fn generation(fixed: Option<usize>, accepted: &[bool], rtt: Link, seed: u64, gat
         let round = RoundObservation {
             drafted: block.len,
             accepted: taken,
-            confidences: Vec::new(),
+            confidences: (0..block.len).map(|i| world.confidence(block.start + i)).collect(),
             draft_step: Duration::from_secs_f64(if block.len > 1 { block.step_s } else { 0.0 }),
             draft_start: Duration::from_secs_f64(if from_ahead || block.len == 0 { 0.0 } else { START_S }),
             call_latency: Duration::from_secs_f64(call_s),
@@ -200,10 +240,12 @@ struct Setup {
     warm: bool,
     /// Print `auto`'s rounds in each trace's first repeat.
     log: bool,
+    /// Where `auto`'s blocks end.
+    block_end: BlockEnd,
 }
 
 /// Committed tokens per second over every trace and repeat, and verifier milliseconds per token.
-fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, setup: &Setup) -> (f64, f64) {
+fn run(fixed: Option<usize>, traces: &[(Vec<bool>, Vec<f32>)], rtt: Link, setup: &Setup) -> (f64, f64) {
     let (mut tokens, mut time, mut verifier_s) = (0usize, 0.0, 0.0);
     let fresh = || {
         let mut e = Estimates::default();
@@ -219,8 +261,8 @@ fn run(fixed: Option<usize>, traces: &[Vec<bool>], rtt: Link, setup: &Setup) -> 
             if setup.log && fixed.is_none() && repeat == 0 {
                 println!("trace {i}:");
             }
-            let (t, v) = generation(fixed, trace, rtt, 1000 * i as u64 + repeat, &mut gateway, setup);
-            (tokens, time, verifier_s) = (tokens + trace.len() - 1, time + t, verifier_s + v);
+            let (t, v) = generation(fixed, (&trace.0, &trace.1), rtt, 1000 * i as u64 + repeat, &mut gateway, setup);
+            (tokens, time, verifier_s) = (tokens + trace.0.len() - 1, time + t, verifier_s + v);
         }
     }
     (tokens as f64 / time, 1e3 * verifier_s / tokens as f64)
@@ -250,7 +292,16 @@ fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("usage: draft_control_sim TRACE_FILE [RTT_MS ... | drift]");
     let text = std::fs::read_to_string(&path).expect("readable trace file");
-    let traces: Vec<Vec<bool>> = text.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().bytes().map(|b| b == b'1').collect()).collect();
+    let traces: Vec<(Vec<bool>, Vec<f32>)> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            let mut fields = l.split_whitespace();
+            let accepted = fields.next().unwrap_or_default().bytes().map(|b| b == b'1').collect();
+            let confidences = fields.next().map_or(Vec::new(), |c| c.split(',').map(|c| c.parse().expect("a confidence")).collect());
+            (accepted, confidences)
+        })
+        .collect();
     let (flags, rest): (Vec<String>, Vec<String>) = args.partition(|a| a.starts_with("--"));
     let list = |name: &str| {
         flags
@@ -262,7 +313,7 @@ fn main() {
     let seed_ms = list("--seed-ms=").unwrap_or(pass_ms.clone());
     assert!(!pass_ms.is_empty() && !seed_ms.is_empty());
     if flags.iter().any(|f| f == "--alignment") {
-        return alignment(&traces);
+        return alignment(&traces.iter().map(|t| t.0.clone()).collect::<Vec<_>>());
     }
     let setup = Setup {
         pass_ms,
@@ -271,6 +322,12 @@ fn main() {
         phases: flags.iter().any(|f| f == "--phases"),
         warm: flags.iter().any(|f| f == "--warm"),
         log: flags.iter().any(|f| f == "--rounds"),
+        block_end: match flags.iter().find_map(|f| f.strip_prefix("--block-end=")) {
+            None | Some("confidence") => BlockEnd::Confidence,
+            Some("early") => BlockEnd::Early,
+            Some("length") => BlockEnd::Length,
+            Some(other) => panic!("--block-end={other}: length, early or confidence"),
+        },
     };
     let links: Vec<(String, Link)> =
         if rest.is_empty() {

@@ -23,6 +23,29 @@ pub enum DraftMessage {
     End(Result<(), EngineError>),
 }
 
+/// Asked as each token of a block is drawn, with the draft's confidence in it: whether the block goes on.
+/// It is asked by whatever draws the tokens, so a block that ends on it costs the draft model no step past
+/// its end: a stream that is dropped instead is noticed only when the model samples its next token, after
+/// running that step (~55 ms of a 0.5B draft on one core).
+pub struct KeepDrafting(Box<dyn FnMut(f32) -> bool + Send>);
+
+impl KeepDrafting {
+    pub fn new(rule: impl FnMut(f32) -> bool + Send + 'static) -> Self {
+        Self(Box::new(rule))
+    }
+
+    /// Whether to draw another token after one drawn with `confidence`.
+    pub fn ask(&mut self, confidence: f32) -> bool {
+        (self.0)(confidence)
+    }
+}
+
+impl std::fmt::Debug for KeepDrafting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KeepDrafting")
+    }
+}
+
 /// A block being drafted. Dropping it tells the drafting engine to stop at its next step (its sender
 /// sees the channel closed), so drafting nobody will use does not hold the draft model.
 pub struct DraftStream<'a> {
@@ -47,13 +70,16 @@ impl<'a> DraftStream<'a> {
         Self { _hold: Some(hold), ..self }
     }
 
-    /// Tokens drafted all at once, each as sure as its q says.
-    pub fn ready(tokens: Vec<DraftToken>) -> Self {
+    /// Tokens drafted all at once, each as sure as its q says, up to where `keep` ends the block.
+    pub fn ready(tokens: Vec<DraftToken>, mut keep: Option<KeepDrafting>) -> Self {
         let (tx, stream) = Self::channel(tokens.len(), Vec::new());
         let at = Instant::now();
         for token in tokens {
             let confidence = token.q.prob(token.token) as f32;
             let _ = tx.send(DraftMessage::Token(Drawn { token, confidence, at }));
+            if keep.as_mut().is_some_and(|keep| !keep.ask(confidence)) {
+                break;
+            }
         }
         let _ = tx.send(DraftMessage::End(Ok(())));
         stream
@@ -94,5 +120,26 @@ impl<'a> DraftStream<'a> {
             tokens.push(drawn?.token);
         }
         Ok(tokens)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use spade_core::SparseDist;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_ready_block_ends_where_its_rule_says() {
+        let tokens: Vec<DraftToken> = (0..5).map(|t| DraftToken { token: t, q: SparseDist::point(t) }).collect();
+        let mut asked = 0;
+        let keep = KeepDrafting::new(move |confidence| {
+            assert_eq!(confidence, 1.0);
+            asked += 1;
+            asked < 2
+        });
+        let drawn = DraftStream::ready(tokens.clone(), Some(keep)).collect().await.unwrap();
+        assert_eq!(drawn.iter().map(|d| d.token).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(DraftStream::ready(tokens, None).collect().await.unwrap().len(), 5);
     }
 }

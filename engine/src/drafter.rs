@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, LazyVocabulary, ModelMeta, ModelSource};
-use crate::{DraftMessage, DraftParams, DraftStream, Drafter, Drawn, EngineError, Role, ToolSpec, Turn};
+use crate::{DraftMessage, DraftParams, DraftStream, Drafter, Drawn, EngineError, KeepDrafting, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {
@@ -286,6 +286,10 @@ struct Recorder {
     /// An end-of-sequence token of the draft model: forced once nobody wants more, so mistral.rs ends
     /// the request at this step instead of running the block out.
     cancel_with: Option<u32>,
+    /// Asked after each token sent: whether the block goes on.
+    keep: Option<std::sync::Mutex<KeepDrafting>>,
+    /// The block has ended (`keep` said so): nobody wants more.
+    ended: AtomicBool,
     steps: AtomicUsize,
 }
 
@@ -301,7 +305,7 @@ impl CustomLogitsProcessor for Recorder {
             forced[token as usize] = 0.0;
             candle_core::Tensor::from_vec(forced, vocab, logits.device())
         };
-        if let (true, Some(end)) = (self.tokens.is_closed(), self.cancel_with) {
+        if let (true, Some(end)) = (self.tokens.is_closed() || self.ended.load(Ordering::SeqCst), self.cancel_with) {
             return force(end);
         }
         let mut logits_vec: Vec<f32> = logits.to_dtype(candle_core::DType::F32)?.to_vec1()?;
@@ -327,10 +331,20 @@ impl CustomLogitsProcessor for Recorder {
             context.push(token);
         }
         // mistral.rs runs exactly `n` steps (max_len); a step beyond would be its bug, not a draft.
-        if step < self.n {
+        if step < self.n && !self.ended.load(Ordering::SeqCst) {
             // A closed channel means the stream was dropped: the token is simply not wanted.
             let confidence = confidence(&logits_vec, &q, token);
             let _ = self.tokens.send(DraftMessage::Token(Drawn { token: DraftToken { token, q }, confidence, at: std::time::Instant::now() }));
+            let keep = self.keep.as_ref().is_none_or(|keep| keep.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).ask(confidence));
+            if !keep {
+                // The block ends with this token: the stream ends now, and mistral.rs ends the request at
+                // this step (its own last token is then the end token, which has no KV row either way).
+                self.ended.store(true, Ordering::SeqCst);
+                let _ = self.tokens.send(DraftMessage::End(Ok(())));
+                if let Some(end) = self.cancel_with {
+                    return force(end);
+                }
+            }
         }
         force(token)
     }
@@ -361,12 +375,12 @@ impl Drafter for MistralDrafter {
     }
 
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
-        self.draft_stream(committed, n, params).await?.collect().await
+        self.draft_stream(committed, n, params, None).await?.collect().await
     }
 
-    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams) -> Result<DraftStream<'a>, EngineError> {
+    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams, keep: Option<KeepDrafting>) -> Result<DraftStream<'a>, EngineError> {
         if n == 0 {
-            return Ok(DraftStream::ready(Vec::new()));
+            return Ok(DraftStream::ready(Vec::new(), None));
         }
         if committed.is_empty() {
             return Err(EngineError::InvalidRequest("cannot draft after an empty context".into()));
@@ -392,6 +406,8 @@ impl Drafter for MistralDrafter {
             grammar_context,
             tokens: tokens.clone(),
             cancel_with,
+            keep: keep.map(std::sync::Mutex::new),
+            ended: AtomicBool::new(false),
             steps: Default::default(),
         });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);

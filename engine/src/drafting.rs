@@ -5,11 +5,11 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::{BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
 use spade_core::openai::DraftLen;
 use spade_core::DraftToken;
 
-use crate::{DraftParams, DraftStream, Drafter, EngineError};
+use crate::{DraftParams, DraftStream, Drafter, EngineError, KeepDrafting};
 
 /// Draft tokens per round: a fixed number, or chosen online each round.
 #[derive(Debug, Clone)]
@@ -18,8 +18,8 @@ pub enum DraftLength {
     Fixed(usize),
     /// Chosen by spade-core's [`DraftController`] up to `max`, starting from `seed`'s estimates
     /// (gateway-wide ones); every round's observations also go back into `seed`.
-    /// `early_stop`: whether the draft's confidence may end a block before the chosen length.
-    Auto { max: usize, seed: Arc<Mutex<Estimates>>, early_stop: bool },
+    /// `block_end`: where a block ends (at the chosen length, or where the draft turns unsure).
+    Auto { max: usize, seed: Arc<Mutex<Estimates>>, block_end: BlockEnd },
 }
 
 impl DraftLength {
@@ -49,27 +49,42 @@ impl Pacing {
     pub fn new(length: &DraftLength, overlap: bool) -> Self {
         match length {
             DraftLength::Fixed(n) => Self::Fixed(*n),
-            DraftLength::Auto { max, seed, early_stop } => {
+            DraftLength::Auto { max, seed, block_end } => {
                 let estimates = seed.lock().map(|e| e.clone()).unwrap_or_default();
-                let controller = DraftController::new(*max, overlap, estimates);
-                let controller = if *early_stop { controller } else { controller.without_early_stop() };
+                let controller = DraftController::new(*max, overlap, estimates).with_block_end(*block_end);
                 Self::Auto { controller: Box::new(controller), shared: seed.clone() }
             }
         }
     }
 
+    /// Chooses the next block: the most it may draft ([`DraftController::block_cap`] under `auto`).
     pub fn choose(&mut self) -> usize {
         match self {
             Self::Fixed(n) => *n,
-            Self::Auto { controller, .. } => controller.choose(),
+            Self::Auto { controller, .. } => {
+                controller.choose();
+                controller.block_cap()
+            }
         }
     }
 
-    /// After each drafted token of a block: whether one more is worth drafting.
-    pub fn keep_drafting(&self, block: &mut BlockOdds, confidence: f32) -> bool {
+    /// Where the block just chosen ends before its cap, asked as each of its tokens is drawn (after
+    /// `guess`, the guess drafted ahead first, which is not the block's): the controller's rule as it
+    /// stands now ([`DraftController::keep_drafting`]). None: at its cap.
+    pub fn keep_drafting(&self, guess: bool) -> Option<KeepDrafting> {
         match self {
-            Self::Fixed(_) => true,
-            Self::Auto { controller, .. } => controller.keep_drafting(block, confidence),
+            Self::Auto { controller, .. } if controller.ends_blocks_early() => {
+                let controller = controller.clone();
+                let (mut odds, mut unasked) = (BlockOdds::default(), usize::from(guess));
+                Some(KeepDrafting::new(move |confidence| match unasked.checked_sub(1) {
+                    Some(left) => {
+                        unasked = left;
+                        true
+                    }
+                    None => controller.keep_drafting(&mut odds, confidence),
+                }))
+            }
+            _ => None,
         }
     }
 
@@ -124,8 +139,6 @@ pub(crate) struct Block<'a> {
     started: Instant,
     /// From the start to when the first token was drawn.
     first: Option<Duration>,
-    /// What the pacing expects of the block's tokens so far.
-    odds: BlockOdds,
     /// From the start to when the last token received was drawn.
     pub busy: Duration,
 }
@@ -139,10 +152,11 @@ pub(crate) struct DraftTiming {
 }
 
 impl<'a> Block<'a> {
-    /// Starts drafting up to `cap` tokens after `context` (plus a guess first when `guess`).
-    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams) -> Result<Self, EngineError> {
+    /// Starts drafting up to `cap` tokens after `context` (plus a guess first when `guess`), ending
+    /// sooner where the pacing's rule says ([`Pacing::keep_drafting`]).
+    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams, pacing: &Pacing) -> Result<Self, EngineError> {
         let started = Instant::now();
-        let stream = drafter.draft_stream(context, cap + usize::from(guess), params).await?;
+        let stream = drafter.draft_stream(context, cap + usize::from(guess), params, pacing.keep_drafting(guess)).await?;
         Ok(Self {
             stream: Some(stream),
             tokens: Vec::new(),
@@ -152,19 +166,13 @@ impl<'a> Block<'a> {
             cap,
             started,
             first: None,
-            odds: BlockOdds::default(),
             busy: Duration::ZERO,
         })
     }
 
-    /// The block's own tokens so far (without the guess).
-    fn drafted(&self) -> usize {
-        self.tokens.len().saturating_sub(usize::from(self.guess))
-    }
-
     /// Draws one more token; false once the block is complete (its cap reached, an end-of-sequence
-    /// token, or the pacing says stop).
-    async fn pull(&mut self, pacing: &Pacing) -> Result<bool, EngineError> {
+    /// token, or the drafting ended where the pacing's rule said).
+    async fn pull(&mut self) -> Result<bool, EngineError> {
         if self.tokens.len() >= self.cap + usize::from(self.guess) {
             self.stream = None;
         }
@@ -177,15 +185,12 @@ impl<'a> Block<'a> {
         self.confidences.push(drawn.confidence);
         self.busy = drawn.at.saturating_duration_since(self.started);
         self.first.get_or_insert(self.busy);
-        if self.drafted() > 0 && !pacing.keep_drafting(&mut self.odds, drawn.confidence) {
-            self.stream = None;
-        }
         Ok(self.stream.is_some())
     }
 
     /// Drafts while `until` runs and returns its output. A drafting error only ends the drafting: the
     /// block is then treated as incomplete (its tokens so far stay valid).
-    pub async fn pull_while<F: Future>(&mut self, until: F, pacing: &Pacing) -> F::Output {
+    pub async fn pull_while<F: Future>(&mut self, until: F) -> F::Output {
         tokio::pin!(until);
         loop {
             if self.stream.is_none() {
@@ -194,7 +199,7 @@ impl<'a> Block<'a> {
             tokio::select! {
                 biased;
                 output = &mut until => return output,
-                pulled = self.pull(pacing) => if let Err(e) = pulled {
+                pulled = self.pull() => if let Err(e) = pulled {
                     tracing::debug!("drafting ahead failed: {e}");
                     self.stream = None;
                 },
@@ -203,9 +208,9 @@ impl<'a> Block<'a> {
     }
 
     /// The guess, waiting for it if it is not drawn yet (None if the drafting ended without one).
-    pub async fn guess(&mut self, pacing: &Pacing) -> Option<u32> {
+    pub async fn guess(&mut self) -> Option<u32> {
         if self.tokens.is_empty() {
-            let _ = self.pull(pacing).await;
+            let _ = self.pull().await;
         }
         self.drawn_guess()
     }
@@ -228,10 +233,10 @@ impl<'a> Block<'a> {
         self
     }
 
-    /// Drafts the rest of the block (to its cap, an end-of-sequence token, or the pacing's stop) and
+    /// Drafts the rest of the block (to its cap, an end-of-sequence token, or where the pacing's rule ends it) and
     /// returns its tokens, any beyond the cap dropped, with the draft model's pace over the whole stream.
-    pub async fn complete(mut self, pacing: &Pacing) -> Result<Drafted, EngineError> {
-        while self.pull(pacing).await? {}
+    pub async fn complete(mut self) -> Result<Drafted, EngineError> {
+        while self.pull().await? {}
         let pulled = self.tokens.len() + usize::from(self.dropped_guess);
         self.tokens.truncate(self.cap + usize::from(self.guess));
         self.confidences.truncate(self.tokens.len());

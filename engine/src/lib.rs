@@ -20,7 +20,7 @@ pub mod round;
 pub mod scorer;
 pub mod speculative;
 
-pub use draft_stream::{DraftMessage, DraftStream, Drawn};
+pub use draft_stream::{DraftMessage, DraftStream, Drawn, KeepDrafting};
 #[cfg(feature = "drafter")]
 pub use drafter::MistralDrafter;
 pub use error::EngineError;
@@ -94,9 +94,10 @@ pub trait Drafter: Send + Sync {
     async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
 
     /// The same tokens as [`Drafter::draft`], each handed over as soon as it is drawn, so the loop can
-    /// stop a block early or drop drafting it is no longer interested in. By default all at once.
-    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams) -> Result<DraftStream<'a>, EngineError> {
-        Ok(DraftStream::ready(self.draft(committed, n, params).await?))
+    /// drop drafting it is no longer interested in; `keep`, asked after each token, may end the block
+    /// sooner. By default all at once.
+    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams, keep: Option<KeepDrafting>) -> Result<DraftStream<'a>, EngineError> {
+        Ok(DraftStream::ready(self.draft(committed, n, params).await?, keep))
     }
 
     /// Whether blocks are being drafted (or wait to be) when the caller has none open: other

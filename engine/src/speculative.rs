@@ -179,16 +179,18 @@ pub async fn run(
             Some(_) if !first => pacing.choose().min(remaining - 1),
             _ => 0,
         };
+        // What `auto` modelled for this round (the block may draft up to `d`).
+        let chosen = pacing.choice().map_or(d, |c| c.draft.min(d));
         let round_started = Instant::now();
         let from_ahead = ahead.is_some();
         let start_includes_prompt = from_ahead && std::mem::take(&mut ahead_processed_prompt);
         let block = match (drafter, ahead.take()) {
             (Some(_), Some(pre)) => Some(pre.without_guess(d)),
-            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft).await?),
+            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft, &pacing).await?),
             _ => None,
         };
         let drafted = match block {
-            Some(block) => block.complete(&pacing).await?,
+            Some(block) => block.complete().await?,
             None => Drafted::default(),
         };
         let (drafts, timing) = (&drafted.tokens, drafted.timing);
@@ -208,7 +210,7 @@ pub async fn run(
             {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
-                Some(Block::start(drafter, &context, next_d, true, &params.draft).await?)
+                Some(Block::start(drafter, &context, next_d, true, &params.draft, &pacing).await?)
             }
             _ => None,
         };
@@ -216,7 +218,7 @@ pub async fn run(
         let verified = {
             let call = verifier.verify(&state.seq, drafts);
             match (next.as_mut(), drafter) {
-                (Some(next), _) => next.pull_while(call, &pacing).await,
+                (Some(next), _) => next.pull_while(call).await,
                 // Without draft-ahead, the first call still overlaps the draft's prefill.
                 (None, Some(drafter)) if first => {
                     let (verified, warmed) = tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
@@ -246,7 +248,7 @@ pub async fn run(
             // A probe (nothing drafted after its guess) is not worth waiting for.
             let guess = match (all_accepted, next_d > 0) {
                 (false, _) => None,
-                (true, true) => next.guess(&pacing).await,
+                (true, true) => next.guess().await,
                 (true, false) => next.drawn_guess(),
             };
             if let Some(guess) = guess {
@@ -272,7 +274,8 @@ pub async fn run(
         // One line per round (`--log spade_engine=debug`): what auto chose, on which cost model, and what came of it.
         let model = pacing.choice();
         tracing::debug!(
-            chosen = d,
+            chosen,
+            cap = d,
             first_call,
             model_verify_a_ms = model.as_ref().map(|c| (c.verify_a_s * 1e3).round()),
             model_verify_b_ms = model.as_ref().map(|c| (c.verify_b_s * 1e3).round()),

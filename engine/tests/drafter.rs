@@ -9,7 +9,7 @@ use common::*;
 use spade_core::{distribution, verify_block, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::DraftParams;
-use spade_engine::{Drafter, MistralDrafter, Role, Scorer};
+use spade_engine::{Drafter, KeepDrafting, MistralDrafter, Role, Scorer};
 
 /// Total variation distance. Not KL: q is quantised to 1/4096, so a last-bit difference in the
 /// logits can move a tiny entry in or out of the support, which KL (log of 0) magnifies.
@@ -151,7 +151,7 @@ async fn greedy_drafts_carry_their_softmax_probability_as_confidence() {
     let prompt = own.encode_chat(&[(Role::User, PROMPTS[0].into())]).await.unwrap();
     let params = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
     own.begin_generation(false).await;
-    let mut stream = own.draft_stream(&prompt, 8, &params).await.unwrap();
+    let mut stream = own.draft_stream(&prompt, 8, &params, None).await.unwrap();
     let mut drawn = Vec::new();
     while let Some(d) = stream.next().await {
         drawn.push(d.unwrap());
@@ -176,4 +176,55 @@ async fn greedy_drafts_carry_their_softmax_probability_as_confidence() {
     let confidences: Vec<f32> = drawn.iter().map(|d| d.confidence).collect();
     println!("greedy confidences {confidences:?}");
     assert!(confidences.iter().any(|&c| c < 0.99), "no unsure token in {confidences:?}");
+}
+
+/// A block whose rule ([`KeepDrafting`]) ends it hands over exactly the tokens up to that one, asks the
+/// rule about each with the confidence it hands over, and leaves the drafter ready: ending the request
+/// at that step forces the draft's end token as mistral.rs's own last token, which has no KV row, so the
+/// next block, continuing after the block's tokens, drafts like a cold engine from the same context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_its_rule_ends_stops_at_that_token_and_leaves_the_cache_sound() {
+    let warm = drafter(TINY, DrafterOptions::default()).await;
+    let cold = drafter(TINY, DrafterOptions::default()).await;
+    let params = DraftParams { sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() }, seed: 7, ..DraftParams::default() };
+    let context = warm.encode_chat(&[(Role::User, PROMPTS[2].into())]).await.unwrap();
+    cold.begin_generation(true).await;
+    let whole = cold.draft(&context, 8, &params).await.unwrap();
+    cold.end_generation();
+    assert_eq!(whole.len(), 8, "the test needs a block of 8");
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let keep = {
+        let asked = asked.clone();
+        KeepDrafting::new(move |confidence| {
+            let mut asked = asked.lock().unwrap();
+            asked.push(confidence);
+            asked.len() < 3
+        })
+    };
+    warm.begin_generation(true).await;
+    let mut stream = warm.draft_stream(&context, 8, &params, Some(keep)).await.unwrap();
+    let mut drawn = Vec::new();
+    while let Some(d) = stream.next().await {
+        drawn.push(d.unwrap());
+    }
+    drop(stream);
+    let tokens: Vec<u32> = drawn.iter().map(|d| d.token.token).collect();
+    let expected: Vec<u32> = whole[..3].iter().map(|d| d.token).collect();
+    assert_eq!(tokens, expected, "the block ends with the token its rule ended it on");
+    assert_eq!(*asked.lock().unwrap(), drawn.iter().map(|d| d.confidence).collect::<Vec<_>>());
+    // The next block continues after the three tokens (all accepted, then one more committed).
+    let mut next_context = context.clone();
+    next_context.extend(&expected);
+    next_context.push(whole[3].token);
+    let next = warm.draft(&next_context, 4, &params).await.unwrap();
+    warm.end_generation();
+    cold.begin_generation(true).await;
+    let reference = cold.draft(&next_context, 4, &params).await.unwrap();
+    cold.end_generation();
+    for (x, y) in next.iter().zip(&reference) {
+        assert!(tv(&y.q, &x.q) < 0.15, "a draft after a rule-ended block differs from a cold one: total variation {}", tv(&y.q, &x.q));
+        if x.token != y.token {
+            break;
+        }
+    }
 }

@@ -4,6 +4,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use spade_core::draft_control::BlockEnd;
 use spade_core::openai::DraftLen;
 use spade_http::{Command, ServerArgs};
 
@@ -48,11 +49,12 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_AHEAD", default_value_t = true, action = clap::ArgAction::Set)]
     pub draft_ahead: bool,
 
-    /// Under `auto`, end a block before its chosen length when the draft's confidence in the tokens
-    /// drafted so far says a longer block would commit fewer tokens per second. Off by default: on the
-    /// 2-core benchmark `auto` did better without it (docs/benchmarks.md, "Early stop A/B").
-    #[arg(long, env = "SPADE_GATEWAY_DRAFT_EARLY_STOP", default_value_t = false, action = clap::ArgAction::Set)]
-    pub draft_early_stop: bool,
+    /// Under `auto`, where a block ends: where the draft's confidence in the tokens drafted so far says
+    /// drafting on would commit fewer tokens per second, before or past the chosen length up to
+    /// --max-draft-len (`confidence`); the same but never past the chosen length (`early`); or at the
+    /// chosen length (`length`). docs/design.md, "Adaptive draft length".
+    #[arg(long, env = "SPADE_GATEWAY_DRAFT_BLOCK_END", value_enum, default_value_t = DraftBlockEnd::Confidence)]
+    pub draft_block_end: DraftBlockEnd,
 
     /// Most tokens in a sampled draft distribution q (sent with every draft token). 0 keeps the
     /// request's own truncation, which can mean the whole vocabulary: megabytes per call.
@@ -122,6 +124,24 @@ pub struct Config {
 pub enum VerifyWire {
     Binary,
     Json,
+}
+
+/// Where `auto` ends a block ([`BlockEnd`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DraftBlockEnd {
+    Length,
+    Early,
+    Confidence,
+}
+
+impl From<DraftBlockEnd> for BlockEnd {
+    fn from(end: DraftBlockEnd) -> Self {
+        match end {
+            DraftBlockEnd::Length => Self::Length,
+            DraftBlockEnd::Early => Self::Early,
+            DraftBlockEnd::Confidence => Self::Confidence,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -215,7 +215,7 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         // Which tokens a sampled generation commits depends on what was drafted, and `auto` chooses
         // from measured times: a seeded request drafts a fixed length so that it reproduces.
         None if reproducible => DraftLength::Fixed(SEEDED_DRAFT_LEN.min(max_draft)),
-        None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone(), early_stop: state.settings.draft_early_stop },
+        None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone(), block_end: state.settings.draft_block_end },
     };
     let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some(prompt_param.into()), code: Some("context_length_exceeded") });
     if prompt.len() >= max_context {

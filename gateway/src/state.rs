@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use spade_core::draft_control::{DraftChoice, DraftController, Estimates};
+use spade_core::draft_control::{BlockEnd, DraftChoice, DraftController, Estimates};
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::openai::DraftLen;
 use spade_core::protocol::{vocabulary_mismatch, ModelInfo};
@@ -22,7 +22,8 @@ pub struct Settings {
     /// Cap of `auto` and of a request's fixed length (with the verifier's `max_draft`).
     pub max_draft_len: usize,
     pub draft_ahead: bool,
-    pub draft_early_stop: bool,
+    /// Where `auto` ends a block.
+    pub draft_block_end: BlockEnd,
     pub draft_top_k: u32,
     pub max_completion_tokens: Option<usize>,
     pub fallback: OfflineFallback,
@@ -68,7 +69,7 @@ impl Gateway {
                 draft_len: config.draft_len,
                 max_draft_len: config.max_draft_len,
                 draft_ahead: config.draft_ahead,
-                draft_early_stop: config.draft_early_stop,
+                draft_block_end: config.draft_block_end.into(),
                 draft_top_k: config.draft_top_k,
                 max_completion_tokens: config.max_completion_tokens,
                 fallback: config.offline_fallback,
