@@ -18,7 +18,7 @@
 
 use std::time::Duration;
 
-use spade_core::draft_control::{BlockEnd, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, BlockKind, DraftController, Estimates, RoundObservation};
 
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
@@ -75,7 +75,7 @@ fn main() {
             // A new generation: its controller starts from what the gateway has learned so far.
             let mut controller = DraftController::new(max_draft, true, gateway.clone()).with_block_end(BlockEnd::Length);
             // During the prompt's call the loop already chose the block to draft ahead.
-            if controller.choose().min(max_tokens.saturating_sub(2)) == 0 {
+            if controller.choose(BlockKind::Ahead).min(max_tokens.saturating_sub(2)) == 0 {
                 controller.probe();
             }
             controller.observe_link(call, verifier);
@@ -87,11 +87,13 @@ fn main() {
         }
         let Some((controller, committed)) = generation.as_mut() else { continue };
         let remaining = max_tokens.saturating_sub(*committed);
-        let replayed = controller.choose().min(remaining.saturating_sub(1));
+        let from_ahead = field(line, "from_ahead") == Some("true");
+        let kind = if from_ahead { BlockKind::Ahead } else { BlockKind::Serial };
+        let replayed = controller.choose(kind).min(remaining.saturating_sub(1));
         let choice = controller.choice();
         // The loop chooses again for the block it drafts ahead during the call, and probes on a 0.
         let after = remaining.saturating_sub(drafted + 1);
-        if after > 1 && controller.choose().min(after - 1) == 0 {
+        if after > 1 && controller.choose(BlockKind::Ahead).min(after - 1) == 0 {
             controller.probe();
         }
         rounds += 1;
@@ -109,7 +111,6 @@ fn main() {
             choice.acceptance,
             choice.alpha.first().copied().unwrap_or(0.0),
         );
-        let from_ahead = field(line, "from_ahead") == Some("true");
         let mut round = RoundObservation {
             drafted,
             accepted,

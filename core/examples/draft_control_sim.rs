@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use spade_core::draft_control::{BlockEnd, BlockOdds, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, BlockKind, BlockOdds, DraftController, Estimates, RoundObservation};
 
 const MAX_DRAFT: usize = 8;
 /// The verifier's pass by scored rows (1, 2, …), milliseconds: `/v1/info`'s `pass_ms` after the benchmark
@@ -157,22 +157,22 @@ fn generation(fixed: Option<usize>, (accepted, confidences): (&[bool], &[f32]), 
     };
     let mut ctl = DraftController::new(MAX_DRAFT, true, gateway.clone()).with_block_end(setup.block_end);
     // The most the next block may draft.
-    let choose = |ctl: &mut DraftController| {
+    let choose = |ctl: &mut DraftController, kind| {
         fixed.unwrap_or_else(|| {
-            ctl.choose();
+            ctl.choose(kind);
             ctl.block_cap()
         })
     };
     // Position 0 is the prompt call's token; the draft guessed it while that call ran (hidden under the
     // prompt's processing) and drafted on from there when the guess was right.
     let mut committed = 1;
-    let first = choose(&mut ctl);
+    let first = choose(&mut ctl, BlockKind::Ahead);
     let first = block_len(&ctl, &world, 1, first, fixed);
     let mut ahead = world.agrees(0).then(|| Block { drafting_s: 0.0, ..draft(&mut world, 1, first) });
     let (mut time, mut verifier_total_s) = (0.0, 0.0);
     while committed < accepted.len() {
-        let d = choose(&mut ctl);
         let from_ahead = ahead.is_some();
+        let d = choose(&mut ctl, if from_ahead { BlockKind::Ahead } else { BlockKind::Serial });
         let block = match ahead.take() {
             // Cut to `d`, or sent short (the gateway's draft stream ends at the length it was started with).
             Some(pre) => Block { len: pre.len.min(d), ..pre },
@@ -189,7 +189,7 @@ fn generation(fixed: Option<usize>, (accepted, confidences): (&[bool], &[f32]), 
         let taken = (0..block.len).take_while(|&i| world.agrees(block.start + i)).count();
         let all = taken == block.len;
         // During the call: the guess of the verifier's token after the block, then the next block from there.
-        let next_d = choose(&mut ctl);
+        let next_d = choose(&mut ctl, BlockKind::Ahead);
         let guess_at = block.start + block.len;
         let guess_ok = world.agrees(guess_at);
         let probes = next_d > 0 || block.len > 0 || ctl.probe();

@@ -12,26 +12,37 @@
 //!
 //! Draft-ahead: while the call is in flight the edge drafts the optimistic continuation (a guess of the bonus
 //! token, then the next block). It is used ("hit") when all `d` drafts are accepted and the guess equals the
-//! verifier's bonus, `P_hit(d) = prod_{i<d} alpha_i * beta`. A hit hides the next round's drafting under this
-//! call, so the round costs `max(rtt + V(d+1), t_start + (d+1) * t_draft)`; a miss costs
-//! `t_start + d * t_draft + rtt + V(d+1)`.
-//! Without draft-ahead every round is a miss. `d = 0` is plain target decoding: `E = 1`, `T = rtt + V(1)`.
-//! With draft-ahead a round of `d = 0` still drafts the guess while its call is in flight (the edge is idle
-//! then; every few such rounds), and a match counts as an outcome of `alpha_0`: this probe keeps the estimates alive while
-//! drafting does not pay, so a length of 0 is left again when the link slows down or the text gets easier.
-//! Likewise the guess after a fully accepted block of `d` is an outcome of `alpha_d`, so a short length
-//! learns whether a longer one would pay.
+//! verifier's bonus, `P_hit(d) = prod_{i<d} alpha_i * beta`. So a generation has two kinds of block
+//! ([`BlockKind`]): one drafted ahead, whose drafting is done when its round starts (the round costs its call,
+//! `rtt + V(d+1)`), and one drafted after a miss, in series with the link (`t_start + d * t_draft` more). A
+//! hit makes the next block one drafted ahead; if drafting it (`t_start + (a+1) * t_draft` for a block of
+//! `a`) outlasts the call, the next round waits for the rest. Without draft-ahead every block is drafted in
+//! series. `d = 0` is plain target decoding: `E = 1`, and with draft-ahead its call still drafts the guess and
+//! the next block, so a round of 0 after a miss leaves drafting for the idle time under the call. With
+//! `a = 0` nothing is drafted ahead but a guess every few rounds of 0 (the edge is idle then), whose match
+//! counts as an outcome of `alpha_0`: this probe keeps the estimates alive while drafting does not pay, so
+//! a length of 0 is left again when the link slows down or the text gets easier. Likewise the guess after a
+//! fully accepted block of `d` is an outcome of `alpha_d`, so a short length learns whether a longer one would pay.
 //!
-//! Each round picks the `d` in `0..=max` that maximises `E(d) / T(d)`, committed tokens per second (with
-//! draft-ahead, `d = 0` is charged what it costs the next round, which then drafts its block after its
-//! call instead of during this one): a long link makes every call expensive, so more drafts per call pay;
-//! a cheap link or a draft that is rarely accepted makes them waste draft and verifier time. Lengths
-//! within 3% of the best rate count as equally fast, and of those the one with the least verifier time per
-//! committed token is drafted (usually the longest; see [`RATE_TOLERANCE`] for why).
+//! The lengths are a pair: `s` for blocks drafted in series and `a` for blocks drafted ahead. A block
+//! drafted in series costs a draft step and a verifier row per token, one drafted ahead only the row, so
+//! the best `s` is often shorter than the best `a`: on the benchmark's host a single length for both was
+//! ~5% slower in this model than the best pair (`tests::after_a_miss_a_shorter_block_…`). Rounds of the
+//! two kinds alternate as a two-state Markov chain (a round in series is followed by one drafted ahead with
+//! `P_hit(s)`, one drafted ahead by one in series with `1 - P_hit(a)`), so a pair's long-run rate is its
+//! rounds' expected tokens over their expected time, weighted by the chain's shares of rounds. Each round
+//! picks the pair in `0..=max` that maximises that rate, committed tokens per second: a long link makes
+//! every call expensive, so more drafts per call pay; a cheap link or a draft that is rarely accepted makes
+//! them waste draft and verifier time. Pairs within 3% of the best rate count as equally fast, and of those
+//! the one with the least verifier time per committed token is drafted (usually the longest; see
+//! [`RATE_TOLERANCE`] for why).
 //!
 //! Where a block ends ([`BlockEnd`]): within a block, [`DraftController::keep_drafting`] weighs ending
 //! here against drafting on, with the acceptance of the tokens drafted so far estimated from the draft's
-//! confidence in each: it goes on only while the same rule prefers some longer block to ending here. With
+//! confidence in each. A block is weighed by what it is worth to the chosen pair: its expected tokens, less
+//! its round's time at the pair's rate, plus what the hit it may bring is worth (a round that starts with a
+//! block drafted ahead is worth more than one that drafts first; the chain gives how much). It goes on
+//! only while some longer block is worth more than ending here. With
 //! [`BlockEnd::Confidence`] (the gateway's default) the longer blocks reach up to `max`, so a block
 //! ends where the draft turns unsure, before or after `d`; `d` is then what the model expects of a block
 //! before its tokens are seen (and whether to draft at all). With [`BlockEnd::Early`] they reach only up
@@ -350,104 +361,119 @@ impl Estimates {
         sum
     }
 
-    /// `T(d)`: expected wall time of a round that drafts `d`, in seconds.
+    /// `T(d)`: expected wall time of a round when every block drafts `d`, in seconds, averaged over
+    /// rounds whose block was drafted ahead and rounds whose block was drafted after the call before it.
     pub fn round_time(&self, d: usize, overlap: bool) -> f64 {
         let d = d.min(MAX_POSITIONS);
-        self.round_time_given(d, (0..d).map(|i| self.alpha(i)).product(), overlap)
+        let policy = self.evaluate(&self.lengths(d), d, if overlap { d } else { 0 });
+        policy.serial_share * policy.serial.round_time_s + (1.0 - policy.serial_share) * policy.ahead.round_time_s
     }
 
-    /// `T(d)` given `all_accepted = prod_{i<d} alpha_i`.
-    fn round_time_given(&self, d: usize, all_accepted: f64, overlap: bool) -> f64 {
-        let (call, miss) = self.call_and_miss(d);
-        let time = match (d, overlap) {
-            (0, _) => call,
-            (_, false) => miss,
-            (_, true) => miss - self.overlap_gain(d, all_accepted),
-        };
-        time.max(MIN_ROUND_S)
+    /// Each length `0..=max`'s block before its tokens are seen: `E(d)` and P(all `d` accepted).
+    fn lengths(&self, max: usize) -> Vec<Candidate> {
+        let mut lengths = vec![Candidate::zero()];
+        lengths.extend(self.longer_blocks(Candidate::zero(), max));
+        lengths
     }
 
-    /// The call of a round of `d` (`rtt + V(d+1)`), and the round without draft-ahead (drafting, then the call).
-    fn call_and_miss(&self, d: usize) -> (f64, f64) {
-        let call = self.rtt_s + self.verify_time(d + 1);
-        (call, self.t_start_s + d as f64 * self.t_draft_s + call)
-    }
-
-    /// What drafting ahead saves a round of `d > 0` on average: `P_hit(d) * (miss - hit)`.
-    fn overlap_gain(&self, d: usize, all_accepted: f64) -> f64 {
-        let (call, miss) = self.call_and_miss(d);
-        let hit = call.max(self.t_start_s + (d + 1) as f64 * self.t_draft_s);
-        all_accepted * self.beta.value * (miss - hit)
-    }
-
-    /// Of `candidates` (blocks of one round), the one to draft, and the highest rate among them: the least
-    /// verifier time per committed token among those within [`RATE_TOLERANCE`] of the highest rate (the
-    /// shortest on ties). None without candidates.
-    fn pick(&self, candidates: impl Iterator<Item = Candidate> + Clone) -> Option<(Candidate, f64)> {
-        let top_rate = candidates.clone().map(|c| c.rate()).fold(f64::NEG_INFINITY, f64::max);
-        let cost = |c: &Candidate| self.verify_time(c.drafted + 1) / c.expected_tokens;
-        let chosen = candidates.filter(|c| c.rate() >= (1.0 - RATE_TOLERANCE) * top_rate).min_by(|x, y| cost(x).total_cmp(&cost(y)))?;
-        Some((chosen, top_rate))
-    }
-
-    /// The blocks that go on from `from` one more draft at a time, up to `to` drafts, each with its
-    /// expected tokens and round time (drafts past `from` accepted at `alpha` of their position).
-    fn longer_blocks(&self, from: Candidate, to: usize, overlap: bool) -> impl Iterator<Item = Candidate> + Clone + '_ {
+    /// The blocks that go on from `from` one more draft at a time, up to `to` drafts (drafts past
+    /// `from` accepted at `alpha` of their position).
+    fn longer_blocks(&self, from: Candidate, to: usize) -> impl Iterator<Item = Candidate> + Clone + '_ {
         (from.drafted + 1..=to).scan(from, move |c, j| {
             c.all_accepted *= self.alpha(j - 1);
             c.expected_tokens += c.all_accepted;
             c.drafted = j;
-            c.round_time_s = self.round_time_given(j, c.all_accepted, overlap);
             Some(*c)
         })
     }
 
-    /// The `d` in `0..=max_draft` to draft, with its inputs: among the lengths whose `E(d) / T(d)` is within
-    /// [`RATE_TOLERANCE`] of the highest, the one with the least verifier time per committed token
-    /// ([`Estimates::pick`]); but the `previous` length while its rate is within [`RATE_TOLERANCE`] of that
+    /// The time a round of `block` adds, given the chance it is a hit and the drafting of the block
+    /// drafted ahead during its call (`ahead_s`, the guess included): a serial block's drafting, the
+    /// call, and on a hit whatever of the drafting ahead outlasts the call (the next round waits for it).
+    fn round_time_of(&self, kind: BlockKind, drafted: usize, p_hit: f64, ahead_s: f64) -> f64 {
+        let call = self.rtt_s + self.verify_time(drafted + 1);
+        let drafting = match kind {
+            BlockKind::Serial if drafted > 0 => self.t_start_s + drafted as f64 * self.t_draft_s,
+            _ => 0.0,
+        };
+        (drafting + call + p_hit * (ahead_s - call).max(0.0)).max(MIN_ROUND_S)
+    }
+
+    /// Drafting a block of `ahead` ahead, its guess first.
+    fn ahead_drafting_s(&self, ahead: usize) -> f64 {
+        self.t_start_s + (ahead + 1) as f64 * self.t_draft_s
+    }
+
+    /// The long-run rate of drafting `serial` after a miss and `ahead` during each call (0: nothing drafted
+    /// ahead), from `lengths` ([`Estimates::lengths`]), and what a round in each state expects.
+    ///
+    /// A serial round leads to an ahead round with its `P_hit`, an ahead round back to a serial one with
+    /// `1 - P_hit`, so in the long run the shares of rounds are `1 - P_hit(ahead)` to `P_hit(serial)`; the
+    /// rate is their expected tokens over their expected time. The ahead state's worth over the serial one
+    /// (in tokens) follows from the ahead state's balance: `E_a - rate * T_a + P_hit(ahead) * worth = worth`.
+    fn evaluate(&self, lengths: &[Candidate], serial: usize, ahead: usize) -> Policy {
+        let beta = if ahead > 0 { self.beta.value } else { 0.0 };
+        let ahead_s = self.ahead_drafting_s(ahead);
+        let round = |kind, c: Candidate| {
+            let p_hit = c.all_accepted * beta;
+            Round { drafted: c.drafted, expected_tokens: c.expected_tokens, round_time_s: self.round_time_of(kind, c.drafted, p_hit, ahead_s), p_hit }
+        };
+        let (s, a) = (round(BlockKind::Serial, lengths[serial]), round(BlockKind::Ahead, lengths[ahead]));
+        let (ws, wa) = if s.p_hit > 0.0 { (1.0 - a.p_hit, s.p_hit) } else { (1.0, 0.0) };
+        let rate = (ws * s.expected_tokens + wa * a.expected_tokens) / (ws * s.round_time_s + wa * a.round_time_s);
+        let ahead_worth =
+            if a.p_hit < 1.0 { (a.expected_tokens - rate * a.round_time_s) / (1.0 - a.p_hit) } else { (rate * s.round_time_s - s.expected_tokens) / s.p_hit };
+        let verifier = (ws * self.verify_time(serial + 1) + wa * self.verify_time(ahead + 1)) / (ws * s.expected_tokens + wa * a.expected_tokens);
+        Policy { serial: s, ahead: a, rate, ahead_worth, serial_share: ws / (ws + wa), verifier_s_per_token: verifier }
+    }
+
+    /// The lengths to draft, with their inputs: of every pair of a serial length in `0..=max_draft` and an
+    /// ahead length (in `0..=max_draft` with draft-ahead, where 0 drafts nothing ahead; 0 without), the pairs whose long-run rate is
+    /// within [`RATE_TOLERANCE`] of the highest, and of those the one with the least verifier time per
+    /// committed token; but the `previous` pair while its rate is within [`RATE_TOLERANCE`] of that
     /// choice's. Changing length costs what the model leaves out: a block drafted ahead at the old length
     /// is sent short or drafted on after the call, and leaving 0 drafts the first block after the call and
     /// catches the draft up on the tokens committed meanwhile. On a CPU verifier at a low RTT, where every
     /// length from 0 to 4 is modelled within a few percent, `auto` changed length most rounds and ran
     /// 10% behind both d = 1 and d = 4 (benchmark quick-dec2-seeded, RTT 0).
     ///
-    /// With draft-ahead, a round of 0 also costs the round after it what drafting ahead would have saved
-    /// it (nothing is drafted ahead during a round of 0, so the next block is drafted after the call):
-    /// `d = 0` is weighed against the fastest `d > 0` with the chosen block's overlap gain added to its time.
-    ///
     /// All of it on the [`Estimates::optimistic`] view.
-    fn best(&self, max_draft: usize, overlap: bool, previous: Option<usize>) -> DraftChoice {
-        DraftChoice { acceptance: self.acceptance(), ..self.optimistic().best_as_is(max_draft, overlap, previous) }
+    fn best(&self, max_draft: usize, overlap: bool, previous: Option<(usize, usize)>) -> Policy {
+        self.optimistic().best_as_is(max_draft, overlap, previous)
     }
 
     /// [`Estimates::best`] on these estimates as they are.
-    fn best_as_is(&self, max_draft: usize, overlap: bool, previous: Option<usize>) -> DraftChoice {
+    fn best_as_is(&self, max_draft: usize, overlap: bool, previous: Option<(usize, usize)>) -> Policy {
         let max_draft = max_draft.min(MAX_POSITIONS);
-        let blocks = self.longer_blocks(Candidate::zero(f64::INFINITY), max_draft, overlap);
-        let (mut chosen, top_rate) = match self.pick(blocks.clone()) {
-            Some((chosen, top_rate)) => (chosen, top_rate),
-            None => (Candidate::zero(f64::INFINITY), 0.0),
+        let lengths = self.lengths(max_draft);
+        let aheads = if overlap { 0..=max_draft } else { 0..=0 };
+        let policies: Vec<Policy> = aheads.flat_map(|a| (0..=max_draft).map(move |s| (s, a))).map(|(s, a)| self.evaluate(&lengths, s, a)).collect();
+        let top_rate = policies.iter().map(|p| p.rate).fold(f64::NEG_INFINITY, f64::max);
+        let as_fast = |p: &&Policy| p.rate >= (1.0 - RATE_TOLERANCE) * top_rate;
+        let chosen = policies
+            .iter()
+            .filter(as_fast)
+            .min_by(|x, y| x.verifier_s_per_token.total_cmp(&y.verifier_s_per_token))
+            .copied()
+            .unwrap_or_else(|| self.evaluate(&lengths, 0, 0));
+        let kept = previous.and_then(|(s, a)| policies.iter().find(|p| p.serial.drafted == s && p.ahead.drafted == a));
+        kept.filter(|k| k.rate >= (1.0 - RATE_TOLERANCE) * chosen.rate).copied().unwrap_or(chosen)
+    }
+
+    /// What a round of `kind` under `policy` reports: its length and expectations, and the inputs.
+    fn choice_of(&self, policy: &Policy, kind: BlockKind, max_draft: usize) -> DraftChoice {
+        let round = match kind {
+            BlockKind::Serial => policy.serial,
+            BlockKind::Ahead => policy.ahead,
         };
-        let lost = if overlap && chosen.drafted > 0 { self.overlap_gain(chosen.drafted, chosen.all_accepted) } else { 0.0 };
-        let zero = Candidate::zero(self.round_time_given(0, 1.0, overlap) + lost);
-        if zero.rate() >= top_rate {
-            chosen = zero;
-        }
-        let kept = match previous {
-            Some(0) => Some(zero),
-            Some(p) => blocks.clone().find(|c| c.drafted == p),
-            None => None,
-        };
-        if let Some(kept) = kept.filter(|k| k.rate() >= (1.0 - RATE_TOLERANCE) * chosen.rate()) {
-            chosen = kept;
-        }
         DraftChoice {
-            draft: chosen.drafted,
-            expected_tokens: chosen.expected_tokens,
-            round_time_s: chosen.round_time_s,
-            tokens_per_s: chosen.rate(),
-            p_hit: if overlap && chosen.drafted > 0 { chosen.all_accepted * self.beta.value } else { 0.0 },
-            overlap,
+            draft: round.drafted,
+            draft_ahead: policy.ahead.drafted,
+            expected_tokens: round.expected_tokens,
+            round_time_s: round.round_time_s,
+            tokens_per_s: policy.rate,
+            p_hit: round.p_hit,
+            overlap: policy.ahead.drafted > 0,
             rtt_s: self.rtt_s,
             t_draft_s: self.t_draft_s,
             t_start_s: self.t_start_s,
@@ -455,10 +481,12 @@ impl Estimates {
             verify_b_s: self.verify_b_s,
             beta: self.beta.value,
             acceptance: self.pooled.value,
-            alpha: (0..max_draft).map(|i| self.alpha(i)).collect(),
+            alpha: {
+                let view = self.optimistic();
+                (0..max_draft.min(MAX_POSITIONS)).map(|i| view.alpha(i)).collect()
+            },
         }
     }
-
     /// Learns from one round. Used both by a generation's controller and by the gateway-wide estimates.
     pub fn observe(&mut self, round: &RoundObservation) {
         let accepted = round.accepted.min(round.drafted);
@@ -632,27 +660,70 @@ impl Fit {
     }
 }
 
-/// A block length weighed for a round (or for the rest of a block being drafted).
+/// A block length weighed before its tokens are seen (or the rest of a block being drafted).
 #[derive(Clone, Copy, Debug)]
 struct Candidate {
     drafted: usize,
     /// `E`: expected committed tokens.
     expected_tokens: f64,
-    /// `T`: expected round time.
-    round_time_s: f64,
     /// P(all `drafted` accepted).
     all_accepted: f64,
 }
 
 impl Candidate {
-    fn zero(round_time_s: f64) -> Self {
-        Self { drafted: 0, expected_tokens: 1.0, round_time_s, all_accepted: 1.0 }
+    fn zero() -> Self {
+        Self { drafted: 0, expected_tokens: 1.0, all_accepted: 1.0 }
     }
+}
 
-    /// `E / T`, committed tokens per second.
-    fn rate(&self) -> f64 {
-        self.expected_tokens / self.round_time_s
+/// A block of one kind under a [`Policy`]: what its round expects.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Round {
+    drafted: usize,
+    expected_tokens: f64,
+    round_time_s: f64,
+    /// P(all drafts accepted and the guess drafted ahead right): the next block is drafted already.
+    p_hit: f64,
+}
+
+/// The lengths of a generation's two kinds of block ([`BlockKind`]) and what drafting them is worth.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Policy {
+    serial: Round,
+    /// `drafted` 0: nothing is drafted ahead.
+    ahead: Round,
+    /// Long-run committed tokens per second.
+    rate: f64,
+    /// What a round that starts with a block drafted ahead is worth over one that drafts its block first, in tokens.
+    ahead_worth: f64,
+    /// Share of rounds whose block is drafted after the call before it.
+    serial_share: f64,
+    verifier_s_per_token: f64,
+}
+
+impl Policy {
+    /// How much `block` of `kind` is worth to this policy, in tokens: its expected tokens less the
+    /// round's time at the policy's rate, plus the worth of drafting the next block ahead when it is a hit.
+    fn value(&self, estimates: &Estimates, kind: BlockKind, block: &Candidate) -> f64 {
+        let p_hit = if self.ahead.drafted > 0 { block.all_accepted * estimates.beta.value } else { 0.0 };
+        let mut time = estimates.round_time_of(kind, block.drafted, p_hit, estimates.ahead_drafting_s(self.ahead.drafted));
+        if kind == BlockKind::Ahead {
+            // Drafting past the policy's length may outlast the call it was drafted under.
+            time += (estimates.ahead_drafting_s(block.drafted) - estimates.ahead_drafting_s(self.ahead.drafted)).max(0.0);
+        }
+        block.expected_tokens - self.rate * time + p_hit * self.ahead_worth
     }
+}
+
+/// Which of a generation's two kinds of block is drafted: their rounds cost differently.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    /// Drafted once the call before it has returned (a generation's first block, and every block after a
+    /// rejection or a wrong guess): its drafting adds to the round.
+    Serial,
+    /// Drafted during the call before it, as if all of that call's drafts and the guess after them were
+    /// right, and sent when they were: its drafting is done when its round starts.
+    Ahead,
 }
 
 /// The current choice of draft length and the inputs it was made from (for logs, usage and metrics).
@@ -660,14 +731,18 @@ impl Candidate {
 pub struct DraftChoice {
     /// Tokens to draft this round; 0 is plain target decoding.
     pub draft: usize,
-    /// `E(draft)`: expected committed tokens per round.
+    /// Tokens to draft ahead during a call (0: none); a block drafted ahead is sent when all the
+    /// call's drafts and the guess after them were right.
+    pub draft_ahead: usize,
+    /// `E(draft)`: expected committed tokens this round.
     pub expected_tokens: f64,
-    /// `T(draft)`: expected round time (for 0 with draft-ahead, with what the next round loses by it).
+    /// `T(draft)`: expected round time, with the wait for the block drafted ahead on a hit.
     pub round_time_s: f64,
-    /// `E / T`, expected committed tokens per second.
+    /// Expected committed tokens per second in the long run.
     pub tokens_per_s: f64,
-    /// Probability that the drafted-ahead continuation is used (0 without draft-ahead).
+    /// Probability that the block drafted ahead during this round's call is used (0 without draft-ahead).
     pub p_hit: f64,
+    /// Whether blocks are drafted ahead.
     pub overlap: bool,
     pub rtt_s: f64,
     /// Draft model time per token.
@@ -715,6 +790,10 @@ pub struct DraftController {
     max_draft: usize,
     overlap: bool,
     estimates: Estimates,
+    /// The lengths chosen last, on the optimistic view of the estimates.
+    policy: Policy,
+    /// The kind of block chosen last.
+    kind: BlockKind,
     choice: DraftChoice,
     /// Rounds of length 0 since the last probe.
     unprobed: u32,
@@ -746,8 +825,9 @@ impl DraftController {
 
     /// A controller that starts from `estimates` as they are, as a generation's own.
     fn with_estimates(max_draft: usize, overlap: bool, estimates: Estimates) -> Self {
-        let choice = estimates.best(max_draft, overlap, None);
-        Self { max_draft, overlap, estimates, choice, unprobed: 0, block_end: BlockEnd::default() }
+        let policy = estimates.best(max_draft, overlap, None);
+        let choice = estimates.choice_of(&policy, BlockKind::Serial, max_draft);
+        Self { max_draft, overlap, estimates, policy, kind: BlockKind::Serial, choice, unprobed: 0, block_end: BlockEnd::default() }
     }
 
     /// Where blocks end ([`BlockEnd::Confidence`] unless set).
@@ -755,9 +835,13 @@ impl DraftController {
         Self { block_end, ..self }
     }
 
-    /// Chooses `d` for the next round from the current estimates (keeping the last choice while it is as fast).
-    pub fn choose(&mut self) -> usize {
-        self.choice = self.estimates.best(self.max_draft, self.overlap, Some(self.choice.draft));
+    /// Chooses the lengths from the current estimates (keeping the last ones while they are as fast) and
+    /// returns the length of the next block, of `kind`.
+    pub fn choose(&mut self, kind: BlockKind) -> usize {
+        let previous = (self.policy.serial.drafted, self.policy.ahead.drafted);
+        self.policy = self.estimates.best(self.max_draft, self.overlap, Some(previous));
+        self.kind = kind;
+        self.choice = self.estimates.choice_of(&self.policy, kind, self.max_draft);
         self.choice.draft
     }
 
@@ -775,29 +859,31 @@ impl DraftController {
         }
     }
 
-    /// Called after each drafted token of a block with the probability the draft gave it: whether to draft
-    /// one more. False at the block's cap ([`Self::block_cap`]), or (unless [`BlockEnd::Length`]) when ending
-    /// the block here is what [`Estimates::pick`] would choose among it and the longer blocks up to the
-    /// cap, given the draft's confidence in the tokens drafted so far.
+    /// Called after each drafted token of the block of the last [`Self::choose`] with the probability the
+    /// draft gave it: whether to draft one more. False at the block's cap ([`Self::block_cap`]), or (unless
+    /// [`BlockEnd::Length`]) when ending the block here is worth the most to the chosen lengths
+    /// ([`Policy::value`]) of it and the longer blocks up to the cap, given the draft's confidence in the
+    /// tokens drafted so far. Blocks worth within [`RATE_TOLERANCE`] of a round's time of the most count as
+    /// worth as much, and of those the one nearest the chosen length is drafted: the lengths were chosen
+    /// with the same tolerance, so without it blocks of average confidence would end short of their length.
     pub fn keep_drafting(&self, block: &mut BlockOdds, confidence_of_last_drafted: f32) -> bool {
         let e = &self.estimates.optimistic();
         block.all_accepted *= e.acceptance_at(block.drafted, confidence_of_last_drafted);
         block.expected_tokens += block.all_accepted;
         block.drafted = block.drafted.saturating_add(1);
-        let (d, overlap) = (self.block_cap().min(MAX_POSITIONS), self.overlap);
-        if block.drafted >= d {
+        let cap = self.block_cap().min(MAX_POSITIONS);
+        if block.drafted >= cap {
             return false;
         }
         if self.block_end == BlockEnd::Length {
             return true;
         }
-        let now = Candidate {
-            drafted: block.drafted,
-            expected_tokens: block.expected_tokens,
-            round_time_s: e.round_time_given(block.drafted, block.all_accepted, overlap),
-            all_accepted: block.all_accepted,
-        };
-        e.pick(std::iter::once(now).chain(e.longer_blocks(now, d, overlap))).is_some_and(|(chosen, _)| chosen.drafted > block.drafted)
+        let now = Candidate { drafted: block.drafted, expected_tokens: block.expected_tokens, all_accepted: block.all_accepted };
+        let blocks: Vec<(Candidate, f64)> = std::iter::once(now).chain(e.longer_blocks(now, cap)).map(|c| (c, self.policy.value(e, self.kind, &c))).collect();
+        let top = blocks.iter().map(|&(_, v)| v).fold(f64::NEG_INFINITY, f64::max);
+        let slack = RATE_TOLERANCE * self.policy.rate * self.choice.round_time_s;
+        let chosen = blocks.iter().filter(|&&(_, v)| v >= top - slack).min_by_key(|(c, _)| c.drafted.abs_diff(self.choice.draft));
+        chosen.is_some_and(|(c, _)| c.drafted > block.drafted)
     }
 
     /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
@@ -865,16 +951,25 @@ mod tests {
         // P_hit = 0.72 * 0.6; the call (0.154 s) outlasts drafting 3 (0.09 s).
         assert!(close(e.round_time(2, true), 0.432 * 0.154 + 0.568 * 0.214), "{}", e.round_time(2, true));
         // Slow drafting: a hit is bounded by drafting the guess and the next block, 2 * 0.2 s.
-        let slow = Estimates { t_draft_s: 0.2, ..e };
+        let slow = Estimates { t_draft_s: 0.2, ..e.clone() };
         assert!(close(slow.round_time(1, true), 0.54 * 0.4 + 0.46 * 0.346), "{}", slow.round_time(1, true));
+        // Nothing drafted after a miss, 2 drafted ahead: a round of 0 (0.138 s) hits with the guess's 0.6, a
+        // block drafted ahead (0.154 s, 2.62 tokens) with 0.72 * 0.6; drafting ahead (0.09 s) outlasts neither call.
+        let policy = e.evaluate(&e.lengths(2), 0, 2);
+        let (serial_share, ahead_share) = (1.0 - 0.432, 0.6);
+        let rate = (serial_share + ahead_share * 2.62) / (serial_share * 0.138 + ahead_share * 0.154);
+        assert!(close(policy.rate, rate) && close(policy.serial.p_hit, 0.6) && close(policy.ahead.p_hit, 0.432), "{policy:?}");
+        // Worth of starting a round with a block drafted ahead: its tokens less its time at that rate, over its misses.
+        assert!(close(policy.ahead_worth, (2.62 - rate * 0.154) / (1.0 - 0.432)), "{policy:?}");
+        assert!(close(policy.serial.expected_tokens - rate * policy.serial.round_time_s + 0.6 * policy.ahead_worth, 0.0), "{policy:?}");
     }
 
     #[test]
     fn hopeless_drafts_choose_zero_and_certain_drafts_on_a_long_link_choose_max() {
         for overlap in [false, true] {
-            assert_eq!(DraftController::with_estimates(8, overlap, est(0.01, 30.0, 200.0, 80.0, 8.0)).choose(), 0);
-            assert_eq!(DraftController::with_estimates(8, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(), 8);
-            assert_eq!(DraftController::with_estimates(0, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(), 0);
+            assert_eq!(DraftController::with_estimates(8, overlap, est(0.01, 30.0, 200.0, 80.0, 8.0)).choose(BlockKind::Serial), 0);
+            assert_eq!(DraftController::with_estimates(8, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(BlockKind::Serial), 8);
+            assert_eq!(DraftController::with_estimates(0, overlap, est(0.999, 30.0, 1000.0, 80.0, 8.0)).choose(BlockKind::Serial), 0);
         }
     }
 
@@ -883,7 +978,7 @@ mod tests {
         for overlap in [false, true] {
             let chosen: Vec<usize> = [0.0, 20.0, 50.0, 100.0, 200.0, 500.0]
                 .iter()
-                .map(|&rtt| DraftController::with_estimates(32, overlap, est(0.8, 30.0, rtt, 100.0, 10.0)).choose())
+                .map(|&rtt| DraftController::with_estimates(32, overlap, est(0.8, 30.0, rtt, 100.0, 10.0)).choose(BlockKind::Serial))
                 .collect();
             assert!(chosen.windows(2).all(|w| w[0] <= w[1]), "overlap {overlap}: {chosen:?}");
             assert!(chosen[4] > chosen[0], "overlap {overlap}: {chosen:?}");
@@ -891,20 +986,37 @@ mod tests {
         // Hand-computed without overlap. At 0 ms d = 2 is fastest (12.84 tok/s) but d = 3 (12.83) is as
         // fast within the tolerance and costs the verifier 56 ms per token against 61. At 200 ms d = 5 is
         // fastest (7.23), and d = 6 (7.18) is cheaper (43.0 ms per token against 44.6).
-        assert_eq!(DraftController::with_estimates(32, false, est(0.8, 30.0, 0.0, 100.0, 10.0)).choose(), 3);
-        assert_eq!(DraftController::with_estimates(32, false, est(0.8, 30.0, 200.0, 100.0, 10.0)).choose(), 6);
+        assert_eq!(DraftController::with_estimates(32, false, est(0.8, 30.0, 0.0, 100.0, 10.0)).choose(BlockKind::Serial), 3);
+        assert_eq!(DraftController::with_estimates(32, false, est(0.8, 30.0, 200.0, 100.0, 10.0)).choose(BlockKind::Serial), 6);
     }
 
     #[test]
-    fn a_round_of_zero_pays_for_the_overlap_it_breaks() {
-        // Inputs a gateway had after three noisy verifier samples (V(1) = 105 ms, ~0.2 s measured).
+    fn after_a_miss_a_shorter_block_than_the_one_drafted_ahead_is_faster_than_one_length() {
+        // The benchmark's host: the verifier's passes of 1-9 rows (`/v1/info`), 48 ms draft steps, acceptance
+        // 0.9. A block drafted in series costs a draft step and a verifier row per token; one drafted ahead
+        // only the row, and its hit saves the next round's drafting.
+        for rtt in [0.0, 50.0, 150.0] {
+            let mut e = Estimates { t_start_s: 0.005, beta: known(0.85), ..est(0.9, 48.0, rtt, 0.0, 0.0) };
+            e.seed_verifier_passes(&[0.091, 0.150, 0.214, 0.239, 0.279, 0.354, 0.400, 0.433, 0.509]);
+            let mut ctl = DraftController::with_estimates(8, true, e);
+            let (serial, ahead) = (ctl.choose(BlockKind::Serial), ctl.choose(BlockKind::Ahead));
+            let lengths = e_lengths(&ctl);
+            let one_length = (0..=8).map(|d| ctl.estimates.optimistic().evaluate(&lengths, d, d).rate).fold(0.0, f64::max);
+            assert!(serial < ahead, "rtt {rtt}: ({serial}, {ahead})");
+            assert!(ctl.choice().tokens_per_s > 1.01 * one_length, "rtt {rtt}: {:?} against {one_length}", ctl.choice());
+        }
+        // Where drafting costs more than verifying (76 ms a token, 105 ms a row with no cost per call), a
+        // round of 0 is fastest even with draft-ahead: 1 token in 128 ms (7.8/s) against d = 2's 2.71 in 442 ms (6.1/s).
         let e = Estimates { t_start_s: 0.089, beta: Rate::prior(0.7), ..est(0.9, 76.0, 23.0, 0.0, 105.0) };
-        // Alone a round of 0 looks fastest: 1 token in 128 ms (7.8/s) against d = 2's 2.71 in 442 ms (6.1/s).
-        assert_eq!(DraftController::with_estimates(8, false, e.clone()).choose(), 0);
-        assert!(e.expected_tokens(2) / e.round_time(2, true) < 1.0 / e.round_time(0, true));
-        // But the round after it drafts its block after the call instead of during it.
-        let mut ctl = DraftController::with_estimates(8, true, e);
-        assert!(ctl.choose() > 0, "{:?}", ctl.choice());
+        for overlap in [false, true] {
+            let mut ctl = DraftController::with_estimates(8, overlap, e.clone());
+            assert_eq!((ctl.choose(BlockKind::Serial), ctl.choose(BlockKind::Ahead)), (0, 0), "{:?}", ctl.choice());
+            assert!(close(ctl.choice().tokens_per_s, 1.0 / 0.128));
+        }
+    }
+
+    fn e_lengths(ctl: &DraftController) -> Vec<Candidate> {
+        ctl.estimates.optimistic().lengths(ctl.max_draft)
     }
 
     #[test]
@@ -914,7 +1026,8 @@ mod tests {
                 DraftController::with_estimates(16, true, est(0.8, 30.0, rtt, 100.0, 10.0)),
                 DraftController::with_estimates(16, false, est(0.8, 30.0, rtt, 100.0, 10.0)),
             );
-            assert!(with.choose() >= without.choose(), "rtt {rtt}");
+            with.choose(BlockKind::Serial);
+            assert!(with.choice().draft_ahead >= without.choose(BlockKind::Serial), "rtt {rtt}");
             assert!(with.choice().tokens_per_s > without.choice().tokens_per_s, "rtt {rtt}: {:?} vs {:?}", with.choice(), without.choice());
         }
     }
@@ -942,41 +1055,46 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let mut ctl = DraftController::new(16, true, Estimates::default());
         for _ in 0..30 {
-            let d = ctl.choose();
+            let d = ctl.choose(BlockKind::Serial);
             ctl.observe(&simulate(&mut rng, d, 0.020));
         }
-        let at = |e: &Estimates, rtt_s: f64| DraftController::new(16, true, Estimates { rtt_s, ..e.clone() }).choose();
-        let before = ctl.choose();
+        let at = |e: &Estimates, rtt_s: f64| DraftController::new(16, true, Estimates { rtt_s, ..e.clone() }).choose(BlockKind::Serial);
+        let before = ctl.choose(BlockKind::Serial);
         assert!((ctl.estimates().rtt_s - 0.020).abs() < 0.002, "{:?}", ctl.estimates());
         for _ in 0..10 {
-            let d = ctl.choose();
+            let d = ctl.choose(BlockKind::Serial);
             ctl.observe(&simulate(&mut rng, d, 0.150));
         }
         let e = ctl.estimates().clone();
         assert!((e.rtt_s - 0.150).abs() < 0.2 * 0.150, "{e:?}");
         let (want, want_before) = (at(&e, 0.150), at(&e, 0.020));
         // What the new RTT makes fastest, or a length kept because it is as fast (within the tolerance).
-        let (chosen, rate) = (ctl.choose(), |d: usize| e.expected_tokens(d) / e.round_time(d, true));
+        let (chosen, rate) = (ctl.choose(BlockKind::Serial), |d: usize| e.expected_tokens(d) / e.round_time(d, true));
         assert!(chosen == want || rate(chosen) >= (1.0 - RATE_TOLERANCE) * rate(want), "{chosen} vs {want}");
         assert!(want >= want_before && want > before, "{chosen}, {want} vs {want_before} / {before}");
     }
 
     #[test]
     fn a_length_is_kept_while_it_is_as_fast_and_left_when_it_is_not() {
-        // Flat acceptance 0.8 and a call's fixed cost well above a row's: d = 2 and 3 are about as fast.
+        // Flat acceptance 0.8 and a call's fixed cost well above a row's: several pairs of lengths are about as fast.
         let e = est(0.8, 30.0, 0.0, 100.0, 10.0);
-        let fresh = DraftController::with_estimates(8, true, e.clone()).choose();
-        let rate = |d: usize| e.expected_tokens(d) / e.round_time(d, true);
-        assert!(fresh > 0);
-        let near: Vec<usize> = (1..=8).filter(|&d| d != fresh && rate(d) >= (1.0 - RATE_TOLERANCE) * rate(fresh)).collect();
-        assert!(!near.is_empty(), "no length is as fast as {fresh}: the test needs a flat optimum");
-        for &d in &near {
-            assert_eq!(e.best(8, true, Some(d)).draft, d, "{d} is within the tolerance of {fresh}");
+        let fresh = e.best(8, true, None);
+        let lengths = e.optimistic().lengths(8);
+        let pairs = (0..=8).flat_map(|s| (1..=8).map(move |a| (s, a)));
+        let near: Vec<(usize, usize)> = pairs
+            .filter(|&(s, a)| (s, a) != (fresh.serial.drafted, fresh.ahead.drafted))
+            .filter(|&(s, a)| e.optimistic().evaluate(&lengths, s, a).rate >= (1.0 - RATE_TOLERANCE) * fresh.rate)
+            .collect();
+        assert!(!near.is_empty(), "no pair is as fast as {fresh:?}: the test needs a flat optimum");
+        for &(s, a) in &near {
+            let kept = e.best(8, true, Some((s, a)));
+            assert_eq!((kept.serial.drafted, kept.ahead.drafted), (s, a), "({s}, {a}) is within the tolerance of {fresh:?}");
         }
-        // A long link makes the kept length slow: it is left.
+        // A long link makes the kept lengths slow: they are left.
         let slow = Estimates { rtt_s: 0.300, ..e.clone() };
-        let long = DraftController::with_estimates(8, true, slow.clone()).choose();
-        assert!(long > fresh && slow.best(8, true, Some(0)).draft == long, "{long}");
+        let long = slow.best(8, true, None);
+        let left = slow.best(8, true, Some((0, 1)));
+        assert!(long.ahead.drafted > fresh.ahead.drafted && left == long, "{long:?}");
     }
 
     #[test]
@@ -995,20 +1113,23 @@ mod tests {
     #[test]
     fn probes_at_length_zero_bring_drafting_back_when_guesses_match() {
         let mut ctl = DraftController::new(8, true, est(0.1, 15.0, 100.0, 20.0, 45.0));
-        assert_eq!(ctl.choose(), 0);
+        assert_eq!(ctl.choose(BlockKind::Serial), 0);
         // A fresh gateway probes every round until the first position has a few outcomes.
         assert!((0..LEARNING_OUTCOMES).all(|_| ctl.probe()));
         let probe = |matched| RoundObservation { ahead_guess: Some(matched), ..Default::default() };
         let rounds = (0..30).take_while(|_| {
             ctl.observe(&probe(true));
-            ctl.choose() == 0
+            ctl.choose(BlockKind::Serial) == 0 && ctl.choice().draft_ahead == 0
         });
         assert!(rounds.count() < 15, "{:?}", ctl.estimates());
         // Misses drive it back to 0; a probe that drafted nothing is no evidence about later positions.
         for _ in 0..30 {
             ctl.observe(&probe(false));
         }
-        assert_eq!(ctl.choose(), 0, "{:?}", ctl.estimates());
+        // (Drafting ahead may be kept a while where it is about as fast as none.)
+        assert_eq!(ctl.choose(BlockKind::Serial), 0, "{:?}", ctl.estimates());
+        let fresh = DraftController::with_estimates(8, true, ctl.estimates().clone()).choice();
+        assert_eq!((fresh.draft, fresh.draft_ahead), (0, 0), "{:?}", ctl.estimates());
         assert!(ctl.estimates().alpha.len() == 1 && ctl.estimates().alpha(0) < 0.1, "{:?}", ctl.estimates());
         assert_eq!((0..4 * PROBE_EVERY).filter(|_| ctl.probe()).count(), 4);
         // After a fully accepted block, the guess is an outcome of the next position.
@@ -1083,7 +1204,7 @@ mod tests {
         let (by_confidence, any_confidence) = (e.by_confidence, e.any_confidence);
         let estimates = Estimates { by_confidence, any_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) };
         let mut ctl = DraftController::with_estimates(16, false, estimates.clone()).with_block_end(BlockEnd::Early);
-        let d = ctl.choose();
+        let d = ctl.choose(BlockKind::Serial);
         assert_eq!((d, ctl.block_cap()), (6, 6));
         assert!(!ctl.keep_drafting(&mut BlockOdds::default(), 0.05));
         let mut block = BlockOdds::default();
@@ -1100,7 +1221,7 @@ mod tests {
         // Ending on confidence alone, confident tokens run the block past the chosen length to the most
         // it may hold, and an unsure one still ends it.
         let mut ctl = DraftController::with_estimates(16, false, estimates).with_block_end(BlockEnd::Confidence);
-        assert_eq!((ctl.choose(), ctl.block_cap()), (6, 16));
+        assert_eq!((ctl.choose(BlockKind::Serial), ctl.block_cap()), (6, 16));
         let mut block = BlockOdds::default();
         let kept = (1..=16).take_while(|_| ctl.keep_drafting(&mut block, 0.97)).count();
         assert_eq!(kept, 15, "drafted 16 tokens");
@@ -1126,10 +1247,12 @@ mod tests {
                 let mut e = est(0.8, 30.0, rtt, 60.0, 35.0);
                 (e.by_confidence, e.any_confidence) = ([Rate::prior(1.0); BUCKETS], Rate::prior(1.0));
                 let mut ctl = DraftController::with_estimates(8, overlap, e).with_block_end(BlockEnd::Early);
-                let d = ctl.choose();
-                let mut block = BlockOdds::default();
-                let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.85)).count();
-                assert_eq!(kept, d.saturating_sub(1), "rtt {rtt} overlap {overlap}: d = {d}");
+                for kind in [BlockKind::Serial, BlockKind::Ahead] {
+                    let d = ctl.choose(kind);
+                    let mut block = BlockOdds::default();
+                    let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.85)).count();
+                    assert_eq!(kept, d.saturating_sub(1), "rtt {rtt} overlap {overlap} {kind:?}: d = {d}");
+                }
             }
         }
     }
@@ -1154,13 +1277,13 @@ mod tests {
         // A CPU verifier: 10 ms + 40 ms a row, as /v1/info reports it for 1-9 rows.
         let cpu: Vec<f64> = (1..=9).map(|rows| 0.010 + 0.040 * rows as f64).collect();
         let mut e = Estimates { alpha: vec![Rate::prior(0.8)], rtt_s: 0.0, ..Estimates::default() };
-        let prior_choice = DraftController::new(8, true, e.clone()).choose();
+        let prior_choice = DraftController::new(8, true, e.clone()).choice().draft_ahead;
         assert_eq!(e.seed_verifier_passes(&cpu), 9);
         // The fit is pulled a little towards the prior slope (FIT_RIDGE).
         assert!((e.verify_a_s - 0.010).abs() < 2e-4 && (e.verify_b_s - 0.040).abs() < 1e-4, "{e:?}");
         assert!(close(e.verify_time(5), 0.210) && (e.verify_time(12) - 0.490).abs() < 1e-3);
         // The prior (8 ms a row) sends long blocks at RTT 0; the verifier's own times do not.
-        let seeded_choice = DraftController::new(8, true, e.clone()).choose();
+        let seeded_choice = DraftController::new(8, true, e.clone()).choice().draft_ahead;
         assert!(seeded_choice < prior_choice, "prior {prior_choice}, seeded {seeded_choice}");
         // What the gateway measured stays; a later seed fills only sizes it has not timed.
         e.observe(&RoundObservation { drafted: 1, accepted: 1, verifier_time: Some(Duration::from_millis(150)), ..Default::default() });
@@ -1254,7 +1377,7 @@ mod tests {
             observe(&mut e, drafted);
         }
         let e = Estimates { alpha: vec![Rate::prior(0.95)], ..e };
-        assert_eq!(DraftController::with_estimates(8, true, e.clone()).choose(), 5, "{e:?}");
+        assert_eq!(DraftController::with_estimates(8, true, e.clone()).choose(BlockKind::Serial), 5, "{e:?}");
     }
 
     #[test]
@@ -1272,29 +1395,29 @@ mod tests {
                 rng.random_range(0.0..0.03),
                 rng.random_bool(0.5),
             );
-            // (round time, what drafting ahead saves it) for d > 0.
-            let timing = |d: usize| {
-                let (v, all) = (a + b * (d + 1) as f64, alpha[..d].iter().product::<f64>());
-                let miss = start + d as f64 * t + rtt + v;
-                let saved = if overlap { all * beta * (miss - (rtt + v).max(start + (d + 1) as f64 * t)) } else { 0.0 };
-                (miss - saved, saved)
-            };
             let tokens = |d: usize| (0..=d).map(|j| alpha[..j].iter().product::<f64>()).sum::<f64>();
-            let rate = |d: usize| tokens(d) / timing(d).0;
-            let top = (1..=max).map(rate).fold(f64::NEG_INFINITY, f64::max);
-            // Within 3% of the fastest, the least verifier time per committed token; the shortest on ties.
-            let cost = |d: usize| (a + b * (d + 1) as f64) / tokens(d);
-            let picked = (1..=max).filter(|&d| rate(d) >= 0.97 * top).fold(None, |best: Option<usize>, d| match best {
-                Some(p) if cost(p) <= cost(d) => Some(p),
-                _ => Some(d),
-            });
-            // A round of 0 also costs the next round its overlap.
-            let zero_rate = 1.0 / (rtt + a + b + picked.map_or(0.0, |d| timing(d).1));
-            let want = match picked {
-                Some(d) if top > zero_rate => d,
-                _ => 0,
+            let v = |d: usize| a + b * (d + 1) as f64;
+            // Drafting `serial` after a miss and `ahead` during each call: rounds of each kind with their
+            // P(hit), time and tokens; a hit waits for whatever of the drafting ahead outlasts its call.
+            let pair = |serial: usize, ahead: usize| {
+                let p = |d: usize| if ahead > 0 { alpha[..d].iter().product::<f64>() * beta } else { 0.0 };
+                let wait = |d: usize| p(d) * (start + (ahead + 1) as f64 * t - (rtt + v(d))).max(0.0);
+                let serial_time = if serial > 0 { start + serial as f64 * t } else { 0.0 } + rtt + v(serial) + wait(serial);
+                let ahead_time = rtt + v(ahead) + wait(ahead);
+                // Shares of rounds: serial ones end in a hit with p(serial), ahead ones in a miss with 1 - p(ahead).
+                let (ws, wa) = if p(serial) > 0.0 { (1.0 - p(ahead), p(serial)) } else { (1.0, 0.0) };
+                let tokens_per_round = ws * tokens(serial) + wa * tokens(ahead);
+                (tokens_per_round / (ws * serial_time + wa * ahead_time), (ws * v(serial) + wa * v(ahead)) / tokens_per_round)
             };
-            let rate = |d: usize| if d == 0 { zero_rate } else { rate(d) };
+            let aheads = if overlap { 0..=max } else { 0..=0 };
+            let pairs: Vec<(usize, usize)> = aheads.flat_map(|ahead| (0..=max).map(move |serial| (serial, ahead))).collect();
+            let top = pairs.iter().map(|&(s, a)| pair(s, a).0).fold(f64::NEG_INFINITY, f64::max);
+            // Within 3% of the fastest, the least verifier time per committed token; the first on ties.
+            let want = pairs.iter().filter(|&&(s, a)| pair(s, a).0 >= 0.97 * top).fold(None, |best: Option<(usize, usize)>, &(s, a)| match best {
+                Some((bs, ba)) if pair(bs, ba).1 <= pair(s, a).1 => Some((bs, ba)),
+                _ => Some((s, a)),
+            });
+            let want = want.unwrap();
             let estimates = Estimates {
                 alpha: alpha.iter().copied().map(known).collect(),
                 beta: Rate::prior(beta),
@@ -1306,8 +1429,11 @@ mod tests {
                 ..Estimates::default()
             };
             let mut ctl = DraftController::with_estimates(max, overlap, estimates);
-            assert_eq!(ctl.choose(), want, "case {case}");
-            assert!((ctl.choice().tokens_per_s - rate(want)).abs() < 1e-6 * rate(want), "case {case}");
+            let chosen = (ctl.choose(BlockKind::Serial), ctl.choose(BlockKind::Ahead));
+            // Pairs can cost the verifier the same per token (a miss after drafting 1 ends either way), and then rounding decides.
+            let (rate, cost) = pair(chosen.0, chosen.1);
+            assert!(chosen == want || (rate >= 0.97 * top && (cost - pair(want.0, want.1).1).abs() < 1e-9), "case {case}: {chosen:?} vs {want:?}");
+            assert!((ctl.choice().tokens_per_s - rate).abs() < 1e-6 * rate, "case {case}");
         }
     }
 
@@ -1328,7 +1454,7 @@ mod tests {
         ];
         for round in &rounds {
             ctl.observe(round);
-            let d = ctl.choose();
+            let d = ctl.choose(BlockKind::Serial);
             assert!(d <= MAX_POSITIONS);
             let mut block = BlockOdds::default();
             let _ = (ctl.keep_drafting(&mut block, f32::NAN), ctl.keep_drafting(&mut block, 2.0), ctl.keep_drafting(&mut block, -3.0));

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::{BlockEnd, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{BlockEnd, BlockKind, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
 use spade_core::openai::DraftLen;
 use spade_core::DraftToken;
 
@@ -57,12 +57,12 @@ impl Pacing {
         }
     }
 
-    /// Chooses the next block: the most it may draft ([`DraftController::block_cap`] under `auto`).
-    pub fn choose(&mut self) -> usize {
+    /// Chooses the next block, of `kind`: the most it may draft ([`DraftController::block_cap`] under `auto`).
+    pub fn choose(&mut self, kind: BlockKind) -> usize {
         match self {
             Self::Fixed(n) => *n,
             Self::Auto { controller, .. } => {
-                controller.choose();
+                controller.choose(kind);
                 controller.block_cap()
             }
         }

@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::DraftChoice;
+use spade_core::draft_control::{BlockKind, DraftChoice};
 use spade_core::grammar::{Grammar, GrammarState};
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, Penalties, SamplingParams};
@@ -175,14 +175,15 @@ pub async fn run(
             (_, drafter) => drafter,
         };
         // A block commits at most d + 1 tokens: never draft past the budget.
+        let from_ahead = ahead.is_some();
+        let kind = if from_ahead { BlockKind::Ahead } else { BlockKind::Serial };
         let d = match drafter {
-            Some(_) if !first => pacing.choose().min(remaining - 1),
+            Some(_) if !first => pacing.choose(kind).min(remaining - 1),
             _ => 0,
         };
         // What `auto` modelled for this round (the block may draft up to `d`).
         let chosen = pacing.choice().map_or(d, |c| c.draft.min(d));
         let round_started = Instant::now();
-        let from_ahead = ahead.is_some();
         let start_includes_prompt = from_ahead && std::mem::take(&mut ahead_processed_prompt);
         let block = match (drafter, ahead.take()) {
             (Some(_), Some(pre)) => Some(pre.without_guess(d)),
@@ -202,7 +203,7 @@ pub async fn run(
         // the next block is to be empty (`auto` chose 0), the guess alone still probes the draft's acceptance.
         // Not while other generations draft: drafting that may be thrown away must not delay theirs.
         let after = remaining.saturating_sub(drafts.len() + 1);
-        let next_d = if after > 1 { pacing.choose().min(after - 1) } else { 0 };
+        let next_d = if after > 1 { pacing.choose(BlockKind::Ahead).min(after - 1) } else { 0 };
         let mut context = Vec::new();
         let mut next = match drafter {
             Some(drafter)
@@ -276,6 +277,7 @@ pub async fn run(
         tracing::debug!(
             chosen,
             cap = d,
+            model_draft_ahead = model.as_ref().map(|c| c.draft_ahead),
             first_call,
             model_verify_a_ms = model.as_ref().map(|c| (c.verify_a_s * 1e3).round()),
             model_verify_b_ms = model.as_ref().map(|c| (c.verify_b_s * 1e3).round()),

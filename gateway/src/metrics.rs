@@ -142,7 +142,12 @@ impl Metrics {
         seconds("spade_gateway_link_seconds_total", "Verify calls minus the verifier's reported time: the link, both ways.", timing.link_s);
         seconds("spade_gateway_verifier_seconds_total", "The verifier's reported time (queue and forward passes).", timing.verifier_s);
         let mut gauge = |name: &str, help: &str, v: f64| render_scalar(&mut out, "gauge", name, help, v);
-        gauge("spade_gateway_auto_draft_len", "Draft length an `auto` generation would start with now.", auto.draft as f64);
+        gauge("spade_gateway_auto_draft_len", "Draft length `auto` would choose now for a block drafted after a call.", auto.draft as f64);
+        gauge(
+            "spade_gateway_auto_draft_ahead_len",
+            "Draft length `auto` would choose now for a block drafted ahead during a call (0: none).",
+            auto.draft_ahead as f64,
+        );
         gauge("spade_gateway_auto_expected_tokens_per_second", "Its expected committed tokens per second.", auto.tokens_per_s);
         gauge("spade_gateway_auto_link_rtt_seconds", "Estimated link round trip (call latency minus verifier time).", auto.rtt_s);
         gauge("spade_gateway_auto_draft_step_seconds", "Estimated draft model time per token.", auto.t_draft_s);
