@@ -437,13 +437,8 @@ impl Estimates {
     /// length from 0 to 4 is modelled within a few percent, `auto` changed length most rounds and ran
     /// 10% behind both d = 1 and d = 4 (benchmark quick-dec2-seeded, RTT 0).
     ///
-    /// All of it on the [`Estimates::optimistic`] view.
+    /// Called on the [`Estimates::optimistic`] view.
     fn best(&self, max_draft: usize, overlap: bool, previous: Option<(usize, usize)>) -> Policy {
-        self.optimistic().best_as_is(max_draft, overlap, previous)
-    }
-
-    /// [`Estimates::best`] on these estimates as they are.
-    fn best_as_is(&self, max_draft: usize, overlap: bool, previous: Option<(usize, usize)>) -> Policy {
         let max_draft = max_draft.min(MAX_POSITIONS);
         let lengths = self.lengths(max_draft);
         let aheads = if overlap { 0..=max_draft } else { 0..=0 };
@@ -460,8 +455,9 @@ impl Estimates {
         kept.filter(|k| k.rate >= (1.0 - RATE_TOLERANCE) * chosen.rate).copied().unwrap_or(chosen)
     }
 
-    /// What a round of `kind` under `policy` reports: its length and expectations, and the inputs.
-    fn choice_of(&self, policy: &Policy, kind: BlockKind, max_draft: usize) -> DraftChoice {
+    /// What a round of `kind` under `policy` reports: its length and expectations, and the inputs, as
+    /// chosen with (the optimistic view), but the plain acceptance `plain`.
+    fn choice_of(&self, policy: &Policy, kind: BlockKind, max_draft: usize, plain: f64) -> DraftChoice {
         let round = match kind {
             BlockKind::Serial => policy.serial,
             BlockKind::Ahead => policy.ahead,
@@ -480,13 +476,11 @@ impl Estimates {
             verify_a_s: self.verify_a_s,
             verify_b_s: self.verify_b_s,
             beta: self.beta.value,
-            acceptance: self.pooled.value,
-            alpha: {
-                let view = self.optimistic();
-                (0..max_draft.min(MAX_POSITIONS)).map(|i| view.alpha(i)).collect()
-            },
+            acceptance: plain,
+            alpha: (0..max_draft.min(MAX_POSITIONS)).map(|i| self.alpha(i)).collect(),
         }
     }
+
     /// Learns from one round. Used both by a generation's controller and by the gateway-wide estimates.
     pub fn observe(&mut self, round: &RoundObservation) {
         let accepted = round.accepted.min(round.drafted);
@@ -825,8 +819,9 @@ impl DraftController {
 
     /// A controller that starts from `estimates` as they are, as a generation's own.
     fn with_estimates(max_draft: usize, overlap: bool, estimates: Estimates) -> Self {
-        let policy = estimates.best(max_draft, overlap, None);
-        let choice = estimates.choice_of(&policy, BlockKind::Serial, max_draft);
+        let view = estimates.optimistic();
+        let policy = view.best(max_draft, overlap, None);
+        let choice = view.choice_of(&policy, BlockKind::Serial, max_draft, estimates.acceptance());
         Self { max_draft, overlap, estimates, policy, kind: BlockKind::Serial, choice, unprobed: 0, block_end: BlockEnd::default() }
     }
 
@@ -839,9 +834,10 @@ impl DraftController {
     /// returns the length of the next block, of `kind`.
     pub fn choose(&mut self, kind: BlockKind) -> usize {
         let previous = (self.policy.serial.drafted, self.policy.ahead.drafted);
-        self.policy = self.estimates.best(self.max_draft, self.overlap, Some(previous));
+        let view = self.estimates.optimistic();
+        self.policy = view.best(self.max_draft, self.overlap, Some(previous));
         self.kind = kind;
-        self.choice = self.estimates.choice_of(&self.policy, kind, self.max_draft);
+        self.choice = view.choice_of(&self.policy, kind, self.max_draft, self.estimates.acceptance());
         self.choice.draft
     }
 
@@ -1078,7 +1074,7 @@ mod tests {
     fn a_length_is_kept_while_it_is_as_fast_and_left_when_it_is_not() {
         // Flat acceptance 0.8 and a call's fixed cost well above a row's: several pairs of lengths are about as fast.
         let e = est(0.8, 30.0, 0.0, 100.0, 10.0);
-        let fresh = e.best(8, true, None);
+        let fresh = e.optimistic().best(8, true, None);
         let lengths = e.optimistic().lengths(8);
         let pairs = (0..=8).flat_map(|s| (1..=8).map(move |a| (s, a)));
         let near: Vec<(usize, usize)> = pairs
@@ -1087,13 +1083,13 @@ mod tests {
             .collect();
         assert!(!near.is_empty(), "no pair is as fast as {fresh:?}: the test needs a flat optimum");
         for &(s, a) in &near {
-            let kept = e.best(8, true, Some((s, a)));
+            let kept = e.optimistic().best(8, true, Some((s, a)));
             assert_eq!((kept.serial.drafted, kept.ahead.drafted), (s, a), "({s}, {a}) is within the tolerance of {fresh:?}");
         }
         // A long link makes the kept lengths slow: they are left.
         let slow = Estimates { rtt_s: 0.300, ..e.clone() };
-        let long = slow.best(8, true, None);
-        let left = slow.best(8, true, Some((0, 1)));
+        let long = slow.optimistic().best(8, true, None);
+        let left = slow.optimistic().best(8, true, Some((0, 1)));
         assert!(long.ahead.drafted > fresh.ahead.drafted && left == long, "{long:?}");
     }
 
