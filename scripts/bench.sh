@@ -17,9 +17,23 @@
 # unless --out says otherwise: results.json, results.md, plot.png and the servers' logs.
 # `bash scripts/bench.sh --help` lists the options. Exits with spade-bench's status: 1 when a greedy
 # speculative output differed from target-only's, 2 when the run failed.
+#
+# This script's own option, --compute-floor-rounds N: first run bench/compute-floor.sh with N rounds at
+# one thread (our kernels against llama.cpp's; builds llama.cpp once, ~12 minutes) and give its output
+# to spade-bench (--compute-floor), so the report shows it beside the verifier's pass times.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+command_line="bash scripts/bench.sh $*"
+args=()
+floor_rounds=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --compute-floor-rounds) floor_rounds=${2:?--compute-floor-rounds needs a number}; shift 2 ;;
+    --compute-floor-rounds=*) floor_rounds=${1#*=}; shift ;;
+    *) args+=("$1"); shift ;;
+  esac
+done
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/spade/target}"
 cache_dir=${SPADE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/spade}
 venv=$cache_dir/venv
@@ -47,10 +61,15 @@ elif [ "$(nproc)" -lt 2 ]; then
   echo "bench: warning: $(nproc) CPU: verifier and gateway cannot get a core each (see results.md)" >&2
 fi
 
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+log=$(mktemp) floor=$(mktemp)
+trap 'rm -f "$log" "$floor"' EXIT
+if [ -n "$floor_rounds" ]; then
+  echo "bench: the compute floor first (bench/compute-floor.sh --rounds $floor_rounds 1)"
+  bash bench/compute-floor.sh --rounds "$floor_rounds" 1 | tee "$floor"
+  args+=(--compute-floor "$floor")
+fi
 status=0
-SPADE_BENCH_COMMAND="bash scripts/bench.sh $*" "$CARGO_TARGET_DIR/debug/spade-bench" "$@" 2>&1 | tee "$log" || status=${PIPESTATUS[0]}
+SPADE_BENCH_COMMAND="$command_line" "$CARGO_TARGET_DIR/debug/spade-bench" ${args[@]+"${args[@]}"} 2>&1 | tee "$log" || status=${PIPESTATUS[0]}
 
 results=$(sed -n 's/^results: //p' "$log" | tail -n1)
 if [ -z "$results" ] || [ ! -f "$results/results.json" ]; then

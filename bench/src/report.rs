@@ -22,6 +22,15 @@ pub struct Context<'a> {
     pub setup: &'a [String],
     /// The verifier's forward pass of one call's block by rows (entry i: i + 1 rows), in ms, at the end of the run.
     pub verifier_pass_ms: &'a [f64],
+    /// The summary lines of `bench/compute-floor.sh`'s output, if the run was given one.
+    pub compute_floor: Vec<String>,
+}
+
+/// The summary of `bench/compute-floor.sh`'s output: the lines after its `## summary` heading.
+pub fn compute_floor_summary(text: &str) -> Vec<String> {
+    let mut lines = text.lines().skip_while(|l| !l.starts_with("## summary"));
+    let heading = lines.next().map(|h| h.trim_start_matches('#').trim().to_string());
+    heading.into_iter().chain(lines.map(str::trim).filter(|l| !l.is_empty()).map(String::from)).collect()
 }
 
 fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
@@ -119,7 +128,7 @@ fn speed_table(out: &mut String, rows: &[SpeedRow], first: &dyn Fn(&SpeedRow) ->
 
 /// The verifier's pass time by block rows, as multiples of one row's: what a verify round's largest term
 /// is made of, beside the compute floor's figures.
-fn verifier_passes(out: &mut String, pass_ms: &[f64]) {
+fn verifier_passes(out: &mut String, pass_ms: &[f64], compute_floor: &[String]) {
     let Some(&single) = pass_ms.first().filter(|&&ms| ms > 0.0) else { return };
     let sizes: Vec<String> = pass_ms.iter().enumerate().map(|(i, ms)| format!("{} {ms:.0} ms ({:.1}x)", i + 1, ms / single)).collect();
     let _ = writeln!(
@@ -127,10 +136,29 @@ fn verifier_passes(out: &mut String, pass_ms: &[f64]) {
         "\nThe verifier's forward pass of one call's block, by rows (its `/v1/info` `pass_ms` after the run: timed at start-up, then updated by \
          every pass that scored one call alone), and as a multiple of one row's: {}. A block of d drafts is d + 1 rows. Where a block costs \
          nearly a single step per row, drafting saves calls but little verifier time, and the speed-up is bounded by the link's share of a \
-         target-only step. The compute floor beside it (our kernels against llama.cpp on the same files and thread count) is \
-         `bash bench/compute-floor.sh` (docs/benchmarks.md).",
+         target-only step.",
         sizes.join(" · ")
     );
+    match compute_floor.split_first() {
+        Some((heading, lines)) => {
+            let _ = writeln!(
+                out,
+                "\nThe compute floor beside it, run just before this benchmark (`bench/compute-floor.sh`, its output in `compute-floor.txt`): \
+                 our time or rate over llama.cpp's on the same files and thread count (for `block5-time`, below 1 is faster than llama.cpp's \
+                 5-token prompt pass; for rates, above 1 is faster), {heading}:\n"
+            );
+            for line in lines {
+                let _ = writeln!(out, "- `{line}`");
+            }
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "The compute floor beside it (our kernels against llama.cpp on the same files and thread count) is `bash bench/compute-floor.sh` \
+                 (docs/benchmarks.md); `scripts/bench.sh --compute-floor-rounds N` runs it before the benchmark and puts it here."
+            );
+        }
+    }
 }
 
 fn drift_label(plan: &Plan) -> String {
@@ -221,26 +249,42 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
         let _ = writeln!(
             out,
             "\n## Speculative (draft-ahead) vs target-only\n\nMedian tokens/s on the long prompts over target-only's at the same RTT; goals {}. \
-             Where a goal is missed, the largest term of the fastest mode's round (breakdown below) is what stops it.\n",
+             Decode: tokens after the first over the time after it, as the same ratio. Where a goal is missed, the largest term of the fastest \
+             mode's round (breakdown below) is what stops it, and the last column says what the goal would take: the round time at which the \
+             fastest mode's ratio would reach it (with the same tokens per round), and the verifier's time per round within it, every other \
+             term as measured. The verifier's time per round includes the first call's prompt processing, spread over the request's rounds. \
+             A verifier faster at every pass would speed target-only up as well: what has to fall is a block's cost against one step's \
+             (the pass times below).\n",
             goals.join(", ")
         );
-        let _ = writeln!(out, "| RTT | target-only tokens/s | auto vs target-only | fastest draft-ahead mode | its ratio | goal | met | largest round term |");
-        let _ = writeln!(out, "|---:|---:|---:|---|---:|---:|---|---|");
+        let _ = writeln!(
+            out,
+            "| RTT | target-only tokens/s | auto vs target-only | fastest draft-ahead mode | its ratio | decode | goal | met | largest round term | what the goal needs |"
+        );
+        let _ = writeln!(out, "|---:|---:|---:|---|---:|---:|---:|---|---|---|");
         for v in &s.vs_target_only {
+            let needs = v.gap.map_or("—".to_string(), |g| {
+                if g.verifier_can_close_it() {
+                    format!("a {} ms round: verifier {} → {} ms of it", ms(g.round_needed_s), ms(g.verifier_s), ms(g.verifier_needed_s))
+                } else {
+                    format!("a {} ms round: less than the other terms alone", ms(g.round_needed_s))
+                }
+            });
             let _ = writeln!(
                 out,
-                "| {} ms | {:.2} | {} | {} | {:.2}x | {} | {} | {} |",
+                "| {} ms | {:.2} | {} | {} | {:.2}x | {} | {} | {} | {} | {needs} |",
                 v.rtt_ms,
                 v.target_only_tokens_per_s,
                 opt(v.auto_ratio, |x| format!("{x:.2}x")),
                 v.best,
                 v.best_ratio,
+                opt(v.decode_ratio, |x| format!("{x:.2}x")),
                 opt(v.goal, |g| format!("≥ {g:.1}x")),
                 v.met.map_or("—", check),
                 v.dominant.as_deref().unwrap_or("—")
             );
         }
-        verifier_passes(&mut out, ctx.verifier_pass_ms);
+        verifier_passes(&mut out, ctx.verifier_pass_ms, &ctx.compute_floor);
     }
 
     let _ = writeln!(

@@ -239,6 +239,37 @@ pub struct VsTargetOnly {
     pub met: Option<bool>,
     /// The largest term of the fastest mode's round time.
     pub dominant: Option<String>,
+    /// The fastest mode's decode tokens/s (after the first token) over target-only's.
+    pub decode_ratio: Option<f64>,
+    /// Where the goal is missed, what it would take ([`GoalGap`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gap: Option<GoalGap>,
+}
+
+/// What a missed speed-up goal would take, at the fastest mode's round breakdown: its round time must
+/// shrink by the ratio it reached over the goal, with the same tokens per round.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GoalGap {
+    /// The round time (s) at which the goal would be met.
+    pub round_needed_s: f64,
+    /// The verifier's time per round (s), as measured and as the goal needs with every other term as
+    /// measured; `needed <= 0` means the other terms alone exceed the round the goal allows.
+    pub verifier_s: f64,
+    pub verifier_needed_s: f64,
+}
+
+impl GoalGap {
+    fn of(p: &PerRound, ratio: f64, goal: f64) -> Option<GoalGap> {
+        (ratio < goal).then(|| {
+            let round_needed_s = p.wall_s * ratio / goal;
+            GoalGap { round_needed_s, verifier_s: p.verifier_s, verifier_needed_s: p.verifier_s - (p.wall_s - round_needed_s) }
+        })
+    }
+
+    /// Whether a cheaper verifier alone could meet the goal (the other terms fit in the round).
+    pub fn verifier_can_close_it(&self) -> bool {
+        self.verifier_needed_s > 0.0
+    }
 }
 
 /// The completion tokens of a long prompt (target-only's greedy output, else the fewest any mode got).
@@ -485,6 +516,8 @@ fn vs_target_only(rows: &[SpeedRow]) -> Option<VsTargetOnly> {
         goal,
         met: goal.map(|g| best_ratio >= g),
         dominant: best.0.per_round.map(|p| p.dominant().to_string()),
+        decode_ratio: best.0.timing.decode_tokens_per_s.zip(target.timing.decode_tokens_per_s).and_then(|(b, t)| ratio(b.median, t.median)),
+        gap: goal.zip(best.0.per_round).and_then(|(g, p)| GoalGap::of(&p, best_ratio, g)),
     })
 }
 
@@ -747,6 +780,22 @@ mod tests {
         assert_eq!((goal50.best, goal50.best_ratio, goal50.goal, goal50.met), (S, 2.0, Some(1.5), Some(true)));
         let goal0 = s.vs_target_only.iter().find(|v| v.rtt_ms == 0).unwrap();
         assert_eq!((goal0.goal, goal0.met), (Some(1.0), Some(true)));
+        assert_eq!((goal0.gap, goal50.gap), (None, None), "goals met leave no gap");
+    }
+
+    #[test]
+    fn a_missed_goal_says_how_fast_the_verifier_would_have_to_be() {
+        // A 400 ms round, 250 of it verifier, at 1.6x where 2x is the goal: the round must take
+        // 320 ms, so the verifier 170 ms with the other 150 ms unchanged.
+        let p = PerRound { rounds: 30.0, wall_s: 0.4, draft_s: 0.02, link_s: 0.105, verifier_s: 0.25, other_s: 0.025, overlap_s: 0.2 };
+        let gap = GoalGap::of(&p, 1.6, 2.0).unwrap();
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(gap.round_needed_s, 0.32) && close(gap.verifier_needed_s, 0.17), "{gap:?}");
+        assert!(gap.verifier_can_close_it());
+        // At 0.5x of a 2x goal the round must take 100 ms, less than the other terms' 150 ms.
+        let beyond = GoalGap::of(&p, 0.5, 2.0).unwrap();
+        assert!(beyond.verifier_needed_s < 0.0 && !beyond.verifier_can_close_it());
+        assert_eq!(GoalGap::of(&p, 2.0, 2.0), None);
     }
 
     #[test]
@@ -879,6 +928,10 @@ mod tests {
             plan: &plan,
             setup: &setup,
             verifier_pass_ms: &[40.0, 72.0, 100.0],
+            compute_floor: crate::report::compute_floor_summary(
+                "## round 1/1, 1 thread(s)\n\nratio (ours / llama.cpp), 1 thread(s): 1.5B-decode 1.11x\n\n\
+                 ## summary: median ratio over 1 round(s) [min, max]\n1 thread(s) 1.5B-block5-time       0.88x [0.88, 0.88]\n",
+            ),
         };
         let md = crate::report::render(&ctx, &s);
         for needle in [
@@ -887,7 +940,8 @@ mod tests {
             "| RTT 0 ms | 11.00 | d=4 | 10.00 | +10.0% |",
             "| drift 20→150 ms | 9.00 | d=4 | 8.00 | +12.5% |",
             "## Speculative (draft-ahead) vs target-only",
-            "| 50 ms | 4.00 | 1.75x | speculative d=4 | 2.00x | ≥ 1.5x | yes | verifier |",
+            "| 50 ms | 4.00 | 1.75x | speculative d=4 | 2.00x | 2.00x | ≥ 1.5x | yes | verifier | — |",
+            "summary: median ratio over 1 round(s) [min, max]:\n\n- `1 thread(s) 1.5B-block5-time       0.88x [0.88, 0.88]`\n",
             "| RTT 50 ms | 7.00 | d=4 | 8.00 | -12.5% | -12.5% [-12.5, -12.5] | d=4: 8.00 | **no** |",
             "## Drift: RTT 20→150 ms mid-run",
             "switch at 1.0 s (50%)",

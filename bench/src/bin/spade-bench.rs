@@ -140,6 +140,12 @@ struct Args {
     #[arg(long, env = "SPADE_BENCH_OUT")]
     out: Option<PathBuf>,
 
+    /// The output of `bash bench/compute-floor.sh` (our kernels against llama.cpp's on the same files
+    /// and thread count), run just before: its summary goes into the report beside the verifier's pass
+    /// times, and the file into the results folder. scripts/bench.sh --compute-floor-rounds N runs it.
+    #[arg(long, env = "SPADE_BENCH_COMPUTE_FLOOR")]
+    compute_floor: Option<PathBuf>,
+
     /// Print the plan and its time estimate, then exit.
     #[arg(long)]
     dry_run: bool,
@@ -335,9 +341,16 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     for model in [&args.draft_model, &args.target_model] {
         anyhow::ensure!(Path::new(model).exists(), "{model} not found: run `bash scripts/fetch-models.sh pair`");
     }
+    let compute_floor = match &args.compute_floor {
+        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading --compute-floor {}", path.display()))?),
+        None => None,
+    };
     let stamp = utc_stamp();
     let out = args.out.clone().unwrap_or_else(|| Path::new("bench/results").join(&stamp));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    if let Some(text) = &compute_floor {
+        std::fs::write(out.join("compute-floor.txt"), text)?;
+    }
     let bin_dir = match &args.bin_dir {
         Some(d) => d.clone(),
         None => std::env::current_exe()?.parent().context("no folder around this binary")?.to_path_buf(),
@@ -382,6 +395,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         plan: &plan,
         setup: &setup_lines,
         verifier_pass_ms: &pass_ms,
+        compute_floor: compute_floor.as_deref().map(report::compute_floor_summary).unwrap_or_default(),
     };
     write_results(&out, &ctx, &summary, &results, error.as_deref())?;
     println!("\n{}", std::fs::read_to_string(out.join("results.md"))?);
