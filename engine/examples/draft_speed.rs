@@ -6,7 +6,7 @@
 //!   RAYON_NUM_THREADS=1 taskset -c 1 cargo run --example draft_speed -p spade-engine -- [MODEL.gguf]
 //!
 //! Compare with llama.cpp on the same file and thread count: `bash bench/compute-floor.sh`. Where the
-//! CPU has AVX-VNNI (used by the candle patch's kernels), the decode step and a 128-token prompt are
+//! CPU has AVX-VNNI or AVX512-VNNI (used by the candle patch's kernels), the decode step and a 128-token prompt are
 //! also timed with it and with AVX2 alone, interleaved, and their drafts compared.
 
 use std::path::PathBuf;
@@ -76,11 +76,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-/// Decode step and a 128-token prompt with AVX-VNNI over AVX2 alone, interleaved (medians of 5).
+/// Decode step and a 128-token prompt with VNNI over AVX2 alone, interleaved (medians of 5).
 #[cfg(target_feature = "avx2")]
 async fn compare_avx_vnni(drafter: &MistralDrafter, text: &[u32], params: &DraftParams) -> Result<(), Box<dyn std::error::Error>> {
-    use candle_core::quantized::avx::use_avx_vnni;
-    if !use_avx_vnni(true) {
+    use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI};
+    if allow_vnni(AVX512_VNNI) == AVX2 {
         return Ok(());
     }
     let context = text[..64].to_vec();
@@ -88,7 +88,7 @@ async fn compare_avx_vnni(drafter: &MistralDrafter, text: &[u32], params: &Draft
     let mut drafts: [Vec<Vec<u32>>; 2] = Default::default();
     for rep in 0..5u32 {
         for vnni in [false, true] {
-            use_avx_vnni(vnni);
+            allow_vnni(if vnni { AVX512_VNNI } else { AVX2 });
             let v = vnni as usize;
             let started = Instant::now();
             let long = drafter.draft(&context, 32, params).await?;
@@ -104,13 +104,13 @@ async fn compare_avx_vnni(drafter: &MistralDrafter, text: &[u32], params: &Draft
             prompt[v].push(started.elapsed().as_secs_f64());
         }
     }
-    use_avx_vnni(true);
+    allow_vnni(AVX512_VNNI);
     if drafts[0] != drafts[1] {
-        return Err("the AVX-VNNI and AVX2 kernels drafted different tokens".into());
+        return Err("the VNNI and AVX2 kernels drafted different tokens".into());
     }
     let [step, prompt] = [step, prompt].map(|[avx2, vnni]| (median(vnni), median(avx2)));
     println!(
-        "AVX-VNNI / AVX2 alone, interleaved: decode step {:.1} / {:.1} ms = {:.3}x; 128-token prompt {:.0} / {:.0} ms = {:.3}x; drafts identical",
+        "VNNI / AVX2 alone, interleaved: decode step {:.1} / {:.1} ms = {:.3}x; 128-token prompt {:.0} / {:.0} ms = {:.3}x; drafts identical",
         step.0 * 1e3,
         step.1 * 1e3,
         step.0 / step.1,

@@ -4,8 +4,8 @@
 //! - "tiles": one thread through `vec_dot_rows` directly, one weight pass per tile, for several ways
 //!   of splitting the rows into tiles (5 rows as one tile of 5 or as 4 + 1, …);
 //! - "matmul": the patched `k_quants::matmul` as the models call it (its own tiles, rayon's pool);
-//! - "AVX-VNNI": where the CPU has AVX-VNNI, the matmul's time with it over its time with AVX2 alone
-//!   (the patch picks it at run time; the results are bit-identical, which this checks too).
+//! - "VNNI": where the CPU has AVX-VNNI or AVX512-VNNI, the matmul's time with each over its time with
+//!   AVX2 alone (the patch picks one at run time; the results are bit-identical, which this checks too).
 //!
 //! Each figure is the fastest of 25 repetitions, the variants interleaved, as a multiple of one
 //! row's time, so a shared machine's drifting speed mostly drops out.
@@ -105,29 +105,37 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
     vnni_report(k, n, &weights, &lhs);
 }
 
-/// The matmul's time with AVX-VNNI over its time with AVX2 alone, for 1 and 5 rows, interleaved.
+/// The matmul's time with each VNNI encoding the CPU offers over its time with AVX2 alone, for 1 and
+/// 5 rows, interleaved.
 #[cfg(target_feature = "avx2")]
 fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
-    if !avx::use_avx_vnni(true) {
-        return;
-    }
-    let mut line = Vec::new();
+    let named = [(avx::AVX_VNNI, "AVX-VNNI (VEX)"), (avx::AVX512_VNNI, "AVX512-VNNI (EVEX)")];
+    let mut kinds = vec![avx::AVX2];
+    kinds.extend(named.iter().map(|&(kind, _)| kind).filter(|&kind| avx::allow_vnni(kind) == kind));
+    let mut lines = vec![Vec::new(); kinds.len()];
     for m in [1usize, 5] {
-        let (mut best, mut out) = ([f64::INFINITY; 2], [vec![0f32; m * n], vec![0f32; m * n]]);
+        let mut best = vec![f64::INFINITY; kinds.len()];
+        let mut out = vec![vec![0f32; m * n]; kinds.len()];
         for _ in 0..REPS {
-            for (vnni, (best, dst)) in [false, true].into_iter().zip(best.iter_mut().zip(out.iter_mut())) {
-                avx::use_avx_vnni(vnni);
+            for ((&kind, best), dst) in kinds.iter().zip(best.iter_mut()).zip(out.iter_mut()) {
+                avx::allow_vnni(kind);
                 let started = Instant::now();
                 k_quants::matmul::<T>((m, k, n), &lhs[..m * k], weights, dst).expect("matmul shapes");
                 *best = best.min(started.elapsed().as_secs_f64() * 1e3);
             }
         }
-        let same = out[0].iter().zip(&out[1]).all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "AVX-VNNI and AVX2 results differ ({m} rows)");
-        line.push(format!("{m} row{}: {:.3} / {:.3} ms = {:.2}x", if m > 1 { "s" } else { "" }, best[1], best[0], best[1] / best[0]));
+        for at in 1..kinds.len() {
+            let same = out[0].iter().zip(&out[at]).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "VNNI kind {} and AVX2 results differ ({m} rows)", kinds[at]);
+            let rows = format!("{m} row{}", if m > 1 { "s" } else { "" });
+            lines[at].push(format!("{rows}: {:.3} / {:.3} ms = {:.2}x", best[at], best[0], best[at] / best[0]));
+        }
     }
-    avx::use_avx_vnni(true);
-    println!("  AVX-VNNI / AVX2 alone (bit-identical): {}", line.join("  "));
+    avx::allow_vnni(avx::AVX512_VNNI);
+    for (kind, line) in kinds.iter().zip(&lines).skip(1) {
+        let name = named.iter().find(|(k, _)| k == kind).map_or("VNNI", |(_, name)| name);
+        println!("  {name} / AVX2 alone (bit-identical): {}", line.join("  "));
+    }
 }
 
 fn main() {

@@ -20,32 +20,32 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-/// Where the CPU has AVX-VNNI (which the candle patch's quantized kernels use): the
+/// Where the CPU has AVX-VNNI or AVX512-VNNI (which the candle patch's quantized kernels use): the
 /// 5-position block with it and with AVX2 alone, interleaved, and the logits compared bit for bit.
 #[cfg(target_feature = "avx2")]
 fn compare_avx_vnni(session: &mut dyn spade_engine::ScoreSession, tokens: &[u32], reps: usize) -> Result<(), Box<dyn std::error::Error>> {
-    use candle_core::quantized::avx::use_avx_vnni;
-    if !use_avx_vnni(true) {
+    use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI};
+    if allow_vnni(AVX512_VNNI) == AVX2 {
         return Ok(());
     }
     let (mut times, mut logits): ([Vec<f64>; 2], [Vec<Vec<f32>>; 2]) = Default::default();
     for _ in 0..reps {
         for vnni in [false, true] {
-            use_avx_vnni(vnni);
+            allow_vnni(if vnni { AVX512_VNNI } else { AVX2 });
             session.truncate(tokens.len() - 5);
             let started = Instant::now();
             logits[vnni as usize] = session.score(tokens, 5)?;
             times[vnni as usize].push(started.elapsed().as_secs_f64() * 1e3);
         }
     }
-    use_avx_vnni(true);
+    allow_vnni(AVX512_VNNI);
     let same = logits[0].iter().flatten().zip(logits[1].iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits());
     if !same {
-        return Err("the AVX-VNNI and AVX2 kernels gave different logits".into());
+        return Err("the VNNI and AVX2 kernels gave different logits".into());
     }
     let [avx2, vnni] = times.map(|mut t| (median(&mut t), t[0]));
     println!(
-        "5-position block, AVX-VNNI / AVX2 alone, interleaved: {:.1} / {:.1} ms = {:.3}x (fastest {:.1} / {:.1} = {:.3}x); logits bit-identical",
+        "5-position block, VNNI / AVX2 alone, interleaved: {:.1} / {:.1} ms = {:.3}x (fastest {:.1} / {:.1} = {:.3}x); logits bit-identical",
         vnni.0,
         avx2.0,
         vnni.0 / avx2.0,

@@ -2,8 +2,8 @@
 //! every activation row bit-identical results whether computed alone or in a block of rows (the
 //! verifier's losslessness depends on it), and the AVX2 dot products added by the patch must agree
 //! with candle's scalar reference. Runs on any target: without AVX2 both checks still hold (the
-//! per-row path and the scalar kernels are used). Where the CPU has AVX-VNNI, the kernels that use
-//! it must give the AVX2 kernels' results bit for bit.
+//! per-row path and the scalar kernels are used). Where the CPU has AVX-VNNI or AVX512-VNNI, the
+//! kernels that use it must give the AVX2 kernels' results bit for bit.
 
 use candle_core::quantized::k_quants::*;
 use candle_core::quantized::{GgmlDType, GgmlType, QMatMul, QTensor};
@@ -152,34 +152,39 @@ fn simd_dot_products_match_scalar_reference() {
     }
 }
 
-/// The patch picks AVX-VNNI at run time where the CPU has it, in every multi-row kernel: each type's matmul
-/// must give exactly the AVX2 path's bits, alone and in blocks. Other tests in this binary may run
-/// meanwhile with either path: by this very property their results do not change.
+/// The patch picks VNNI's dot products at run time where the CPU has them (AVX512-VNNI's EVEX
+/// encoding, or else AVX-VNNI's VEX one), in every multi-row kernel: each type's matmul must give
+/// exactly the AVX2 path's bits with every encoding the CPU offers, alone and in blocks. Other
+/// tests in this binary may run meanwhile with any path: by this very property their results do
+/// not change.
 #[cfg(target_feature = "avx2")]
 #[test]
-fn avx_vnni_kernels_equal_the_avx2_ones_bit_for_bit() {
-    use candle_core::quantized::avx::use_avx_vnni;
-    if !use_avx_vnni(true) {
-        eprintln!("this CPU has no AVX-VNNI: only the AVX2 kernels run here");
-        return;
+fn vnni_kernels_equal_the_avx2_ones_bit_for_bit() {
+    use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI, AVX_VNNI};
+    let mut kinds: Vec<u8> = [AVX_VNNI, AVX512_VNNI].into_iter().map(allow_vnni).filter(|&kind| kind != AVX2).collect();
+    kinds.dedup();
+    if kinds.is_empty() {
+        eprintln!("this CPU has neither AVX-VNNI nor AVX512-VNNI: only the AVX2 kernels run here");
     }
     let dev = Device::Cpu;
-    for dtype in DTYPES {
-        for k in ks(dtype) {
-            let n = 67;
-            let w = Tensor::from_vec(values(n * k, (n * k) as u64 + 1), (n, k), &dev).unwrap();
-            let mm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
-            for m in [1usize, 2, 5, 6, 13] {
-                let xt = Tensor::from_vec(values(m * k, 11 + m as u64), (m, k), &dev).unwrap();
-                let run = |vnni: bool| -> Vec<f32> {
-                    use_avx_vnni(vnni);
-                    mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-                };
-                let (avx2, vnni) = (run(false), run(true));
-                let same = avx2.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{dtype:?} k={k} m={m}: AVX-VNNI {vnni:?} != AVX2 {avx2:?}");
+    for kind in kinds {
+        for dtype in DTYPES {
+            for k in ks(dtype) {
+                let n = 67;
+                let w = Tensor::from_vec(values(n * k, (n * k) as u64 + 1), (n, k), &dev).unwrap();
+                let mm = QMatMul::from_qtensor(QTensor::quantize(&w, dtype).unwrap()).unwrap();
+                for m in [1usize, 2, 5, 6, 13] {
+                    let xt = Tensor::from_vec(values(m * k, 11 + m as u64), (m, k), &dev).unwrap();
+                    let run = |most: u8| -> Vec<f32> {
+                        assert_eq!(allow_vnni(most), most);
+                        mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+                    };
+                    let (avx2, vnni) = (run(AVX2), run(kind));
+                    let same = avx2.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{dtype:?} k={k} m={m}: VNNI kind {kind} {vnni:?} != AVX2 {avx2:?}");
+                }
             }
         }
     }
-    use_avx_vnni(true);
+    allow_vnni(AVX512_VNNI);
 }
