@@ -109,15 +109,14 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
 /// 5 rows, interleaved.
 #[cfg(target_feature = "avx2")]
 fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
-    let named = [(avx::AVX_VNNI, "AVX-VNNI (VEX)"), (avx::AVX512_VNNI, "AVX512-VNNI (EVEX)")];
-    let mut kinds = vec![avx::AVX2];
-    kinds.extend(named.iter().map(|&(kind, _)| kind).filter(|&kind| avx::allow_vnni(kind) == kind));
+    let all = [(avx::AVX2, "AVX2"), (avx::AVX_VNNI, "AVX-VNNI (VEX)"), (avx::AVX512_VNNI, "AVX512-VNNI (EVEX)")];
+    let kinds: Vec<(u8, &str)> = all.into_iter().filter(|&(kind, _)| avx::allow_vnni(kind) == kind).collect();
     let mut lines = vec![Vec::new(); kinds.len()];
     for m in [1usize, 5] {
         let mut best = vec![f64::INFINITY; kinds.len()];
         let mut out = vec![vec![0f32; m * n]; kinds.len()];
         for _ in 0..REPS {
-            for ((&kind, best), dst) in kinds.iter().zip(best.iter_mut()).zip(out.iter_mut()) {
+            for ((&(kind, _), best), dst) in kinds.iter().zip(best.iter_mut()).zip(out.iter_mut()) {
                 avx::allow_vnni(kind);
                 let started = Instant::now();
                 k_quants::matmul::<T>((m, k, n), &lhs[..m * k], weights, dst).expect("matmul shapes");
@@ -126,14 +125,13 @@ fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
         }
         for at in 1..kinds.len() {
             let same = out[0].iter().zip(&out[at]).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "VNNI kind {} and AVX2 results differ ({m} rows)", kinds[at]);
+            assert!(same, "{} and AVX2 results differ ({m} rows)", kinds[at].1);
             let rows = format!("{m} row{}", if m > 1 { "s" } else { "" });
             lines[at].push(format!("{rows}: {:.3} / {:.3} ms = {:.2}x", best[at], best[0], best[at] / best[0]));
         }
     }
     avx::allow_vnni(avx::AVX512_VNNI);
-    for (kind, line) in kinds.iter().zip(&lines).skip(1) {
-        let name = named.iter().find(|(k, _)| k == kind).map_or("VNNI", |(_, name)| name);
+    for ((_, name), line) in kinds.iter().zip(&lines).skip(1) {
         println!("  {name} / AVX2 alone (bit-identical): {}", line.join("  "));
     }
 }
