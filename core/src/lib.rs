@@ -1,5 +1,6 @@
 //! spade-core: the pure logic of SPADE. No I/O, no models, no HTTP.
 //!
+//! - [`affinity`]: a conversation's routing key, stable across its turns, for load balancers in front of verifier replicas.
 //! - [`sampling`]: logits -> the explicit distribution a token is drawn from (temperature, top-k/p, min-p).
 //! - [`penalties`]: presence, frequency and repetition penalties and logit bias, from the tokens so far.
 //! - [`dist`]: sparse distributions, shared by the draft's q and the target's p.
@@ -9,6 +10,7 @@
 //! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
+//! - [`prefix_index`]: which cached token sequence shares the longest prefix with a new one (hash-chained blocks).
 //! - [`pass_times`]: a forward pass's time by rows, learnt as each size's own time times a pace all share.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering both servers use.
@@ -17,6 +19,7 @@
 //! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
 //!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
 
+pub mod affinity;
 pub mod batching;
 pub mod dist;
 pub mod draft_control;
@@ -28,6 +31,7 @@ pub mod metrics;
 pub mod openai;
 pub mod pass_times;
 pub mod penalties;
+pub mod prefix_index;
 pub mod protocol;
 pub mod rng;
 pub mod sampling;
