@@ -14,7 +14,7 @@
 //! quantized.
 
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use either::Either;
@@ -33,7 +33,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tokio::sync::RwLock;
 
 use crate::gguf::{read_meta, LazyVocabulary, ModelMeta, ModelSource};
-use crate::{DraftMessage, DraftParams, DraftStream, Drafter, Drawn, EngineError, KeepDrafting, Role, ToolSpec, Turn};
+use crate::{release_freed_memory, ContextRows, DraftMessage, DraftParams, DraftStream, Drafter, Drawn, EngineError, KeepDrafting, Role, ToolSpec, Turn};
 
 #[derive(Debug, Clone)]
 pub struct DrafterOptions {
@@ -75,6 +75,8 @@ pub struct MistralDrafter {
     active: AtomicUsize,
     /// Draft streams alive: blocks someone is still drafting or waiting to draft.
     drafting: Arc<AtomicUsize>,
+    /// Context positions rounds took from the prefix cache, and computed ([`Drafter::context_rows`]).
+    rows: Arc<[AtomicU64; 2]>,
     vocabulary: LazyVocabulary,
 }
 
@@ -118,6 +120,7 @@ impl MistralDrafter {
             options,
             active: Default::default(),
             drafting: Default::default(),
+            rows: Default::default(),
             vocabulary: LazyVocabulary::new(&path),
         })
     }
@@ -208,16 +211,6 @@ impl MistralDrafter {
     }
 }
 
-/// Freed buffers (a dropped engine's KV rows, loading's temporary copies) are large; ask glibc to
-/// hand their pages back.
-fn release_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
 /// mistral.rs's builder panics (`try_lock().unwrap()` on the pipeline) when an engine thread, such as
 /// the one being replaced finishing its last step, holds the pipeline at that moment. So: wait until
 /// the pipeline is free, build in a task, and retry the rare race that is still lost.
@@ -291,13 +284,21 @@ struct Recorder {
     /// The block has ended (`keep` said so): nobody wants more.
     ended: AtomicBool,
     steps: AtomicUsize,
+    /// The drafter's count of context positions cached and computed.
+    rows: Arc<[AtomicU64; 2]>,
 }
 
 impl CustomLogitsProcessor for Recorder {
-    fn apply(&self, logits: &candle_core::Tensor, _context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
+    fn apply(&self, logits: &candle_core::Tensor, context: &[u32]) -> candle_core::Result<candle_core::Tensor> {
         // mistral.rs passes only the uncached suffix as context on a prefix-cache hit, so the position
-        // comes from counting our own steps, not from the context's length.
+        // comes from counting our own steps, not from the context's length; and the first step's
+        // context is what the round computed.
         let step = self.steps.fetch_add(1, Ordering::SeqCst);
+        if step == 0 {
+            let computed = context.len().min(self.start);
+            self.rows[0].fetch_add((self.start - computed) as u64, Ordering::Relaxed);
+            self.rows[1].fetch_add(computed as u64, Ordering::Relaxed);
+        }
         let position = self.start + step;
         let vocab = logits.dim(0)?;
         let force = |token: u32| {
@@ -409,6 +410,7 @@ impl Drafter for MistralDrafter {
             keep: keep.map(std::sync::Mutex::new),
             ended: AtomicBool::new(false),
             steps: Default::default(),
+            rows: self.rows.clone(),
         });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         let request = new_request(
@@ -440,6 +442,10 @@ impl Drafter for MistralDrafter {
 
     fn others_drafting(&self) -> bool {
         self.drafting.load(Ordering::SeqCst) > 0
+    }
+
+    fn context_rows(&self) -> ContextRows {
+        ContextRows { cached: self.rows[0].load(Ordering::Relaxed), computed: self.rows[1].load(Ordering::Relaxed) }
     }
 }
 

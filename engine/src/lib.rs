@@ -30,6 +30,16 @@ pub use spade_core::openai::{Role, Turn};
 pub use spade_core::tools::ToolSpec;
 pub use spade_core::DraftToken;
 
+/// Freed buffers (dropped KV caches, a dropped engine, loading's temporary copies) are large; asks
+/// glibc to hand their pages back, so resident memory follows what is held.
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free heap memory; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Threads for the scorer's kernels (rayon's global pool); call once, before loading a model.
 pub fn set_compute_threads(n: usize) -> Result<(), String> {
     rayon::ThreadPoolBuilder::new().num_threads(n).build_global().map_err(|e| e.to_string())
@@ -106,12 +116,25 @@ pub trait Drafter: Send + Sync {
         false
     }
 
+    /// Context positions the draft model's rounds found in its prefix cache, and computed, since it
+    /// started: how often it reads each token of a conversation. Zeros where it does not count them.
+    fn context_rows(&self) -> ContextRows {
+        ContextRows::default()
+    }
+
     /// Makes drafting after `context` cheap (its KV rows cached) without proposing anything. The loop
     /// runs it while the verifier prefills the same prompt. By default: a one-token draft, discarded
     /// (a prefill and one sampling step; draft randomness is keyed by position, so nothing shifts).
     async fn prefill(&self, context: &[u32], params: &DraftParams) -> Result<(), EngineError> {
         self.draft(context, 1, params).await.map(|_| ())
     }
+}
+
+/// Context positions of a drafter's rounds: taken from its prefix cache, or computed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ContextRows {
+    pub cached: u64,
+    pub computed: u64,
 }
 
 /// The edge model as the gateway sees it: a drafter that also owns the chat template and tokenizer.
@@ -240,6 +263,11 @@ pub trait ScoreSession: Send {
     }
     /// The concrete session, for a scorer that batches its own sessions' passes.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
+    /// A new session holding a copy of this one's first `len` cached positions (a prefix cache
+    /// hit that leaves the entry in place). None where the scorer cannot copy its cache.
+    fn fork(&self, _len: usize) -> Option<Box<dyn ScoreSession>> {
         None
     }
 }

@@ -131,7 +131,13 @@ async fn repeating_a_generation_is_served_from_the_cache() {
     let prompt = own.encode_chat(&[(Role::User, long_prompt)]).await.unwrap();
     assert!(prompt.len() > 150, "the prompt should cost a visible prefill ({} tokens)", prompt.len());
     let (first, seq_a) = draft_run(&own, &prompt, 12).await;
+    let rows = own.context_rows();
+    assert!(rows.computed >= prompt.len() as u64, "the first run computes the prompt: {rows:?}");
     let (again, seq_b) = draft_run(&own, &prompt, 12).await;
+    // The repeat's first round finds the whole prompt but its last token cached (its logits are needed).
+    let repeat = own.context_rows();
+    assert!(repeat.cached - rows.cached >= prompt.len() as u64 - 1, "the repeat's prompt was not served from the cache: {rows:?} then {repeat:?}");
+    assert!(repeat.computed - rows.computed < prompt.len() as u64, "the repeat computed its prompt again: {rows:?} then {repeat:?}");
     // Not compared token for token: a row served from the cache and one computed in a batch can
     // differ in the last bits, enough to flip a near tie (all_accepted_rounds_draft_like_a_cold_engine
     // bounds that difference). Here they first differed 12 tokens into the generation.

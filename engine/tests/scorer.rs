@@ -136,3 +136,33 @@ fn a_pair_with_different_vocabularies_is_refused() {
     assert!(matches!(err, EngineError::VocabMismatch(_)), "{err}");
     assert!(err.to_string().contains("fingerprint"), "the message should say why: {err}");
 }
+
+/// The prefix cache's premise: a session started from another session's first k rows (a copy, as a
+/// cache hit makes) and brought to the full context scores every row after k bit for bit as a cold
+/// prefill does, whatever k and wherever the prefill chunks fall (the cold pass cuts at 256 rows).
+#[test]
+fn a_session_from_a_cached_prefix_scores_like_a_cold_prefill() {
+    for (name, prefixes) in [(TINY, &[16usize, 144, 270][..]), (DRAFT, &[100, 270][..])] {
+        let scorer = scorer(name);
+        let vocab = scorer.meta().vocab_size.min(30_000);
+        let context: Vec<u32> = (0..290u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        let first = prefixes[0];
+        let cold = scorer.new_session().score(&context, context.len() - first).unwrap();
+        for &k in prefixes {
+            // The donor holds the prefix and then another continuation: only its first k rows are shared.
+            let mut donor_tokens = context[..k].to_vec();
+            donor_tokens.extend((0..30u32).map(|i| (i * 104_729 + 7) % vocab));
+            let mut donor = scorer.new_session();
+            donor.score(&donor_tokens, 1).unwrap();
+            let mut warm = donor.fork(k).expect("the candle scorer copies its cache");
+            assert_eq!(warm.cached_tokens(), &context[..k]);
+            assert_eq!(warm.rows_to_score(&context, context.len() - k), context.len() - k, "{name}: only the rest is computed");
+            let rows = warm.score(&context, context.len() - k).unwrap();
+            for (i, row) in rows.iter().enumerate() {
+                assert!(*row == cold[k - first + i], "{name}: row {} differs between a cold prefill and one from a {k}-token prefix", k + i);
+            }
+            // The donor's own rows are untouched by the copy's growth.
+            assert!(donor.score(&donor_tokens, 1).unwrap() == scorer.new_session().score(&donor_tokens, 1).unwrap(), "{name}: the donor changed");
+        }
+    }
+}

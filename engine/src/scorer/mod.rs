@@ -154,4 +154,10 @@ impl ScoreSession for CandleSession {
     fn memory_bytes(&self) -> usize {
         self.cache.bytes()
     }
+
+    fn fork(&self, len: usize) -> Option<Box<dyn ScoreSession>> {
+        let len = len.min(self.tokens.len());
+        let cache = self.model.copy_prefix(&self.cache, len);
+        Some(Box::new(CandleSession { model: self.model.clone(), cache, tokens: self.tokens[..len].to_vec(), meta: self.meta.clone() }))
+    }
 }

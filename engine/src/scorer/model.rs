@@ -106,6 +106,17 @@ impl KvCache {
     pub fn bytes(&self) -> usize {
         self.keys.iter().chain(self.values.iter()).map(|v| v.capacity() * 4).sum()
     }
+
+    /// A new cache holding this one's first `len` positions, with [`HEADROOM`] spare ones.
+    fn copy_prefix(&self, len: usize, row: usize) -> Self {
+        let len = len.min(self.len);
+        let copy = |v: &Vec<f32>| {
+            let mut out = Vec::with_capacity((len + HEADROOM) * row);
+            out.extend_from_slice(&v[..len * row]);
+            out
+        };
+        Self { keys: self.keys.iter().map(copy).collect(), values: self.values.iter().map(copy).collect(), len }
+    }
 }
 
 struct Loader<'a> {
@@ -216,6 +227,12 @@ impl Transformer {
 
     pub fn truncate(&self, cache: &mut KvCache, len: usize) {
         cache.truncate(len, self.kv_row());
+    }
+
+    /// A copy of `cache`'s first `len` positions: the rows a cold prefill of them computes, since
+    /// every row is computed the same whatever the chunking (module doc).
+    pub fn copy_prefix(&self, cache: &KvCache, len: usize) -> KvCache {
+        cache.copy_prefix(len, self.kv_row())
     }
 
     /// Appends `tokens` at positions `cache.len()..` and returns the logits of the last `n_logits`
