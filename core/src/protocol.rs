@@ -94,6 +94,11 @@ pub struct VerifyResponse {
     /// Tokens the session now holds (context + accepted drafts + next token): the next call's
     /// `context_start` when it only appends.
     pub session_len: u32,
+    /// On a call with the full context (`context_start` 0): its leading tokens whose KV rows the
+    /// verifier already held (its prefix cache, or the session's own rows) and did not recompute.
+    /// 0 on calls that append.
+    #[serde(default)]
+    pub cached_tokens: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub logprobs: Option<Vec<TokenLogprob>>,
     pub timing: VerifyTiming,
@@ -155,6 +160,15 @@ pub const FEATURE_PENALTIES: &str = "penalties";
 
 /// `VerifyRequest::grammar` is honoured.
 pub const FEATURE_GRAMMAR: &str = "grammar";
+
+/// Finished sessions' KV rows are kept and reused by later sessions sharing their prefix
+/// ([`VerifyResponse::cached_tokens`] says how many a call reused).
+pub const FEATURE_PREFIX_CACHE: &str = "prefix_cache";
+
+/// The HTTP header a gateway sends on each call of a conversation: a key stable across the
+/// conversation's turns, for a load balancer to hash on so that its turns reach the verifier replica
+/// that holds its prefix.
+pub const AFFINITY_HEADER: &str = "x-spade-affinity";
 
 /// `/verify` takes and gives the binary form of [`crate::wire`].
 pub const FEATURE_BINARY: &str = "binary";

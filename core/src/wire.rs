@@ -11,8 +11,9 @@
 //! `0` (all mass on the token), `1` + entries (count, then per entry the id's distance from the
 //! previous id and its units of 1/4096), or `2` + entries (count, then id distance and `f32`).
 //!
-//! Response: accepted; next_token; flags (byte: 1 bonus (else correction), 2 eos, 4 logprobs);
-//! session_len; queue and forward time in microseconds; [logprobs: length, JSON].
+//! Response: accepted; next_token; flags (byte: 1 bonus (else correction), 2 eos, 4 logprobs, 8
+//! cached tokens); session_len; [cached_tokens]; queue and forward time in microseconds; [logprobs:
+//! length, JSON].
 //!
 //! Quantised q (multiples of 1/4096, [`crate::dist::Q_UNITS`]) costs about 3 bytes per entry; a
 //! greedy draft token 1–3 bytes.
@@ -237,8 +238,12 @@ pub fn encode_response(r: &VerifyResponse) -> Vec<u8> {
     let mut out = Vec::with_capacity(24);
     varint(&mut out, u64::from(r.accepted));
     varint(&mut out, u64::from(r.next_token));
-    out.push(u8::from(r.next_kind == NextKind::Bonus) | u8::from(r.eos) << 1 | u8::from(r.logprobs.is_some()) << 2);
+    let cached = r.cached_tokens > 0;
+    out.push(u8::from(r.next_kind == NextKind::Bonus) | u8::from(r.eos) << 1 | u8::from(r.logprobs.is_some()) << 2 | u8::from(cached) << 3);
     varint(&mut out, u64::from(r.session_len));
+    if cached {
+        varint(&mut out, u64::from(r.cached_tokens));
+    }
     for ms in [r.timing.queue_ms, r.timing.forward_ms] {
         varint(&mut out, (ms.max(0.0) * 1e3).round() as u64);
     }
@@ -254,11 +259,12 @@ pub fn decode_response(body: &[u8]) -> Result<VerifyResponse, WireError> {
     let next_token = r.u32()?;
     let flags = r.byte()?;
     let session_len = r.u32()?;
+    let cached_tokens = if flags & 8 != 0 { r.u32()? } else { 0 };
     let timing = VerifyTiming { queue_ms: r.varint()? as f64 / 1e3, forward_ms: r.varint()? as f64 / 1e3 };
     let logprobs = if flags & 4 != 0 { Some(r.json("logprobs")?) } else { None };
     r.end()?;
     let next_kind = if flags & 1 != 0 { NextKind::Bonus } else { NextKind::Correction };
-    Ok(VerifyResponse { accepted, next_token, next_kind, eos: flags & 2 != 0, session_len, logprobs, timing })
+    Ok(VerifyResponse { accepted, next_token, next_kind, eos: flags & 2 != 0, session_len, cached_tokens, logprobs, timing })
 }
 
 #[cfg(test)]
@@ -311,6 +317,7 @@ mod tests {
             next_kind: NextKind::Bonus,
             eos: true,
             session_len: 517,
+            cached_tokens: 0,
             logprobs: None,
             timing: VerifyTiming { queue_ms: 0.5, forward_ms: 120.25 },
         };
@@ -318,6 +325,8 @@ mod tests {
         assert!(encode_response(&r).len() <= 12, "{} bytes", encode_response(&r).len());
         r.logprobs = Some(vec![TokenLogprob { token: 4, logprob: -0.25, top: vec![(4, -0.25), (8, -2.0)] }]);
         r.next_kind = NextKind::Correction;
+        assert_eq!(decode_response(&encode_response(&r)).unwrap(), r);
+        r.cached_tokens = 1_900;
         assert_eq!(decode_response(&encode_response(&r)).unwrap(), r);
     }
 

@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
-use spade_core::protocol::{ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES};
+use spade_core::protocol::{ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES, FEATURE_PREFIX_CACHE};
 use spade_core::ErrorBody;
 use spade_http::Json;
 use utoipa::ToSchema;
@@ -48,7 +48,11 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
         max_context: meta.max_context,
         max_draft: u32::try_from(state.limits.max_draft).unwrap_or(u32::MAX),
         max_top_logprobs: state.limits.max_top_logprobs,
-        features: vec![FEATURE_PENALTIES.to_string(), FEATURE_GRAMMAR.to_string(), FEATURE_BINARY.to_string()],
+        features: [FEATURE_PENALTIES, FEATURE_GRAMMAR, FEATURE_BINARY]
+            .into_iter()
+            .chain(state.sessions.prefix_cache().then_some(FEATURE_PREFIX_CACHE))
+            .map(String::from)
+            .collect(),
         pass_ms: target.batcher.load.pass_ms(),
     }))
 }
@@ -59,7 +63,7 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
     (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
 ), security(("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let (sessions, bytes) = state.sessions.usage();
+    let store = state.sessions.usage();
     let (backlog_secs, in_line) = state.target().map_or((0.0, 0), |t| (t.batcher.load.backlog_seconds(), t.batcher.prompts_in_line()));
-    spade_http::prometheus(state.metrics.render(sessions, bytes, state.admission.held(), backlog_secs, in_line, state.target_model.is_loaded()))
+    spade_http::prometheus(state.metrics.render(store, state.admission.held(), backlog_secs, in_line, state.target_model.is_loaded()))
 }

@@ -13,9 +13,17 @@ pub struct Config {
     #[arg(long, env = "SPADE_VERIFIER_MODEL")]
     pub model: Option<String>,
 
-    /// Memory for per-session KV caches, in MiB; least recently used sessions are evicted beyond it.
+    /// Memory for KV caches, in MiB: live sessions' and the prefix cache's. Beyond it the prefix
+    /// cache's least recently used entries are evicted first, then idle sessions, least recently used
+    /// first.
     #[arg(long, env = "SPADE_VERIFIER_CACHE_BUDGET_MB", default_value_t = 2048)]
     pub cache_budget_mb: usize,
+
+    /// Keep a finished session's KV rows (within --cache-budget-mb) for later sessions whose context
+    /// starts with the same tokens, such as a conversation's next turn, which then prefill only
+    /// what is new. `false` frees them when the session ends.
+    #[arg(long, env = "SPADE_VERIFIER_PREFIX_CACHE", action = clap::ArgAction::Set, default_value_t = true)]
+    pub prefix_cache: bool,
 
     /// Verify calls allowed to wait beyond those a pass holds; more are answered 429 with retry-after.
     #[arg(long, env = "SPADE_VERIFIER_QUEUE_SIZE", default_value_t = 64)]

@@ -7,6 +7,8 @@ use std::time::Duration;
 use spade_core::metrics::{render_labeled, render_scalar};
 use spade_core::Histogram;
 
+use crate::sessions::{Evicted, Usage};
+
 const SECONDS: &[f64] = &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
 pub struct Metrics {
@@ -18,6 +20,10 @@ pub struct Metrics {
     accepted_tokens: AtomicU64,
     emitted_tokens: AtomicU64,
     evicted_sessions: AtomicU64,
+    evicted_cache_entries: AtomicU64,
+    /// Prompt positions of full-context calls taken from a cache, and computed.
+    prompt_cached: AtomicU64,
+    prompt_computed: AtomicU64,
     /// [drafted, accepted] per draft position.
     per_position: Mutex<Vec<[u64; 2]>>,
     /// Per call: from its first forward pass to its last.
@@ -40,6 +46,9 @@ impl Default for Metrics {
             accepted_tokens: AtomicU64::new(0),
             emitted_tokens: AtomicU64::new(0),
             evicted_sessions: AtomicU64::new(0),
+            evicted_cache_entries: AtomicU64::new(0),
+            prompt_cached: AtomicU64::new(0),
+            prompt_computed: AtomicU64::new(0),
             per_position: Mutex::new(Vec::new()),
             forward: Mutex::new(Histogram::new(SECONDS)),
             queue_wait: Mutex::new(Histogram::new(SECONDS)),
@@ -95,13 +104,19 @@ impl Metrics {
         self.rejected_busy.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn record_evictions(&self, n: usize) {
-        self.evicted_sessions.fetch_add(n as u64, Ordering::Relaxed);
+    pub fn record_evictions(&self, evicted: Evicted) {
+        self.evicted_sessions.fetch_add(evicted.sessions as u64, Ordering::Relaxed);
+        self.evicted_cache_entries.fetch_add(evicted.cache_entries as u64, Ordering::Relaxed);
     }
 
-    /// The Prometheus text exposition; `sessions`, `cache_bytes`, `held` and `backlog_secs` are
-    /// gauges read now.
-    pub fn render(&self, sessions: usize, cache_bytes: usize, held: usize, backlog_secs: f64, prompts_in_line: usize, ready: bool) -> String {
+    /// A call with the full context: positions whose KV rows were already held, and computed.
+    pub fn record_prompt(&self, cached: usize, computed: usize) {
+        self.prompt_cached.fetch_add(cached as u64, Ordering::Relaxed);
+        self.prompt_computed.fetch_add(computed as u64, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition; `store`, `held` and `backlog_secs` are gauges read now.
+    pub fn render(&self, store: Usage, held: usize, backlog_secs: f64, prompts_in_line: usize, ready: bool) -> String {
         let mut out = String::new();
         let counters = [
             ("spade_verify_calls_total", "Verify calls answered.", &self.verify_calls),
@@ -111,7 +126,14 @@ impl Metrics {
             ("spade_spec_decode_num_draft_tokens_total", "Draft tokens judged.", &self.draft_tokens),
             ("spade_spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", &self.accepted_tokens),
             ("spade_spec_decode_num_emitted_tokens_total", "Tokens committed (accepted plus correction or bonus).", &self.emitted_tokens),
-            ("spade_sessions_evicted_total", "Sessions evicted to stay within the cache budget.", &self.evicted_sessions),
+            ("spade_sessions_evicted_total", "Idle live sessions evicted to stay within the cache budget.", &self.evicted_sessions),
+            ("spade_prefix_cache_evictions_total", "Prefix cache entries evicted to stay within the cache budget.", &self.evicted_cache_entries),
+            (
+                "spade_prompt_tokens_cached_total",
+                "Context positions of full-context calls whose KV rows were already held (not recomputed).",
+                &self.prompt_cached,
+            ),
+            ("spade_prompt_tokens_computed_total", "Context positions of full-context calls computed by the target.", &self.prompt_computed),
             ("spade_verify_passes_total", "Forward passes run (each may hold several sessions' calls).", &self.passes),
             ("spade_verify_pass_sessions_total", "Sessions' calls scored, summed over passes (divide by passes for the mean batch).", &self.pass_sessions),
             ("spade_verify_pass_rows_total", "Positions scored, summed over passes.", &self.pass_rows),
@@ -132,8 +154,10 @@ impl Metrics {
         locked(&self.pass_time).render(&mut out, "spade_verify_pass_seconds", "Time per batched forward pass.");
 
         let gauges = [
-            ("spade_sessions", "Sessions holding a KV cache.", sessions),
-            ("spade_kv_cache_bytes", "Bytes held by session KV caches.", cache_bytes),
+            ("spade_sessions", "Live sessions holding a KV cache.", store.sessions),
+            ("spade_kv_cache_bytes", "Bytes held by live sessions' KV caches.", store.session_bytes),
+            ("spade_prefix_cache_entries", "Finished sessions' KV rows kept for later sessions sharing their prefix.", store.cache_entries),
+            ("spade_prefix_cache_bytes", "Bytes held by the prefix cache.", store.cache_bytes),
             ("spade_verify_calls_held", "Verify calls being scored or waiting for a pass (429 beyond --max-batch-sessions + --queue-size).", held),
             ("spade_verify_prompts_in_line", "Prompts turned away with 429 verifier_busy that keep their place until taken.", prompts_in_line),
             ("spade_ready", "1 once the model is loaded.", usize::from(ready)),

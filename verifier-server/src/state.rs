@@ -48,7 +48,7 @@ impl Verifier {
         Self {
             target_model: ModelSlot::default(),
             model_id: config.model.clone().unwrap_or_default(),
-            sessions: SessionStore::new(config.cache_budget_mb * 1024 * 1024),
+            sessions: SessionStore::new(config.cache_budget_mb * 1024 * 1024, config.prefix_cache),
             admission: Admission::new(config.max_batch_sessions + config.queue_size),
             metrics: Arc::default(),
             pass_limits: config.pass_limits(),

@@ -1,7 +1,5 @@
 //! `POST /verify`: judge a draft block against the target model.
 
-use std::sync::Arc;
-
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
@@ -13,11 +11,9 @@ use spade_core::{DraftToken, ErrorBody};
 use spade_engine::round::{Round, ScoredBlock, TargetRule};
 use spade_engine::{EngineError, ModelMeta};
 use spade_http::{Json, RequestError};
-use tokio::sync::Mutex as AsyncMutex;
 
 use crate::batcher::Scored;
 use crate::error::ApiError;
-use crate::sessions::Session;
 use crate::state::{AppState, Limits};
 
 /// A request that passed validation: every id inside the vocabulary, every q a distribution.
@@ -187,12 +183,11 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let valid = validate(req, &meta, &state.limits)?;
     let _admitted = state.admission.admit()?;
 
-    let new_session = || Session::new(target.scorer.new_session());
-    // A delta needs an existing session; only a full context may create one.
+    // A delta needs an existing session; only a full context may create one, from the longest
+    // prefix of it the prefix cache holds.
     let session = match &valid.session_id {
         Some(id) if valid.context_start > 0 => state.sessions.get(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?,
-        Some(id) => state.sessions.get_or_create(id, new_session),
-        None => Arc::new(AsyncMutex::new(new_session())),
+        id => state.sessions.open(id.as_deref(), &valid.context, || target.scorer.new_session()),
     };
     let guard = session.lock_owned().await;
     if valid.context_start > guard.committed.len() {
@@ -206,6 +201,8 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let drafted = drafts.len();
     let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
     let joining = target.batcher.admit(session_id.as_deref(), guard.score.as_ref(), &tokens, drafted + 1)?;
+    // The context's leading rows the session already holds are not recomputed.
+    let cached_tokens = if context_start == 0 { (tokens.len() - guard.score.rows_to_score(&tokens, drafted + 1)).min(context.len()) } else { 0 };
     // The grammar is brought to the context before scoring, so a bad one costs no forward pass. A full
     // context starts the session over, with its grammar or none; only grammar work needs the blocking pool.
     let grammar = grammar.filter(|_| context_start == 0);
@@ -242,7 +239,8 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let (context, round) = round?;
 
     // Keep the accepted rows; the rejected drafts' rows would only be dropped by the next call.
-    let keep = context.len() + round.outcome.accepted;
+    let context_len = context.len();
+    let keep = context_len + round.outcome.accepted;
     guard.score.truncate(keep);
     guard.committed = context;
     guard.committed.extend_from_slice(&round.committed);
@@ -250,8 +248,10 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let bytes = guard.bytes();
     drop(guard);
     if let Some(id) = &session_id {
-        let evicted = state.sessions.update_size(id, bytes);
-        state.metrics.record_evictions(evicted);
+        state.metrics.record_evictions(state.sessions.update_size(id, bytes));
+    }
+    if context_start == 0 {
+        state.metrics.record_prompt(cached_tokens, context_len - cached_tokens);
     }
     state.metrics.record_verify(drafted, round.outcome.accepted, round.committed.len(), round.forward_time, queued);
     tracing::debug!(drafted, accepted = round.outcome.accepted, forward_ms = round.forward_time.as_secs_f64() * 1e3, "verified");
@@ -262,6 +262,7 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
         next_kind: round.outcome.next_kind,
         eos: round.committed.iter().any(|t| meta.stop_token_ids.contains(t)),
         session_len,
+        cached_tokens: cached_tokens as u32,
         logprobs: top_logprobs.map(|_| round.logprobs),
         timing: VerifyTiming { queue_ms: queued.as_secs_f64() * 1e3, forward_ms: round.forward_time.as_secs_f64() * 1e3 },
     })
@@ -273,23 +274,22 @@ async fn blocking<T: Send + 'static>(work: impl FnOnce() -> Result<T, EngineErro
     Ok(result?)
 }
 
-/// End a session: its KV cache is freed now instead of waiting for LRU eviction. Gateways call this
-/// when a generation ends.
+/// End a session. Gateways call this when a generation ends. Its KV rows join the prefix cache, for
+/// later sessions whose context starts with the same tokens (with `--prefix-cache false`, or when
+/// too short to be worth it, they are freed now), within `--cache-budget-mb`.
 #[utoipa::path(
     delete,
     path = "/sessions/{id}",
     params(("id" = String, Path, description = "The session_id the gateway used")),
     responses(
-        (status = 204, description = "Session freed"),
+        (status = 204, description = "Session ended: its rows cached or freed"),
         (status = 401, description = "Missing or wrong bearer token", body = ErrorBody),
         (status = 404, description = "No such session (already ended or evicted)", body = ErrorBody),
     ),
     security(("bearer" = []))
 )]
 pub async fn end_session(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
-    if state.sessions.remove(&id) {
-        Ok(StatusCode::NO_CONTENT)
-    } else {
-        Err(RequestError::NotFound.into())
-    }
+    let evicted = state.sessions.end(&id).ok_or(RequestError::NotFound)?;
+    state.metrics.record_evictions(evicted);
+    Ok(StatusCode::NO_CONTENT)
 }

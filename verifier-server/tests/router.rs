@@ -253,9 +253,10 @@ async fn authentication_is_required_except_for_health() {
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
     // The limits a gateway must respect, so it can check its settings before it is ready.
     assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
-    assert_eq!(v["features"], json!(["penalties", "grammar", "binary"]));
-    let (_, v, _) = call(&state(&["--max-draft", "2"], true), "GET", "/v1/info", Some("sekret"), None).await;
+    assert_eq!(v["features"], json!(["penalties", "grammar", "binary", "prefix_cache"]));
+    let (_, v, _) = call(&state(&["--max-draft", "2", "--prefix-cache", "false"], true), "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!(v["max_draft"].as_u64(), Some(2));
+    assert_eq!(v["features"], json!(["penalties", "grammar", "binary"]));
 }
 
 #[tokio::test]
@@ -399,17 +400,18 @@ async fn metrics_count_calls_and_acceptance() {
 }
 
 #[tokio::test]
-async fn ended_sessions_are_freed() {
+async fn ended_sessions_too_short_to_cache_are_freed() {
     let st = state(&[], true);
     let mut body = greedy(&[3, 1], &[8]);
     body["session_id"] = json!("done-soon");
     assert_eq!(verify(&st, body).await.0, StatusCode::OK);
-    assert_eq!(st.sessions.usage().0, 1);
+    assert_eq!(st.sessions.usage().sessions, 1);
     let (s, _, _) = call(&st, "DELETE", "/sessions/done-soon", None, None).await;
     assert_eq!(s, StatusCode::UNAUTHORIZED);
     let (s, _, _) = call(&st, "DELETE", "/sessions/done-soon", Some("sekret"), None).await;
     assert_eq!(s, StatusCode::NO_CONTENT);
-    assert_eq!(st.sessions.usage().0, 0);
+    // Two tokens: less than one 16-token block, not worth a prefix cache entry.
+    assert_eq!((st.sessions.usage().sessions, st.sessions.usage().cache_entries), (0, 0));
     let (s, v, _) = call(&st, "DELETE", "/sessions/done-soon", Some("sekret"), None).await;
     assert_eq!((s, v["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
 }
