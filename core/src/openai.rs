@@ -383,11 +383,21 @@ pub struct SpadeTiming {
     pub verifier_s: f64,
 }
 
+/// OpenAI's breakdown of the prompt tokens.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the target model did not recompute: its prefix cache held them from an earlier
+    /// request (a conversation's earlier turns).
+    pub cached_tokens: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    #[serde(default)]
+    pub prompt_tokens_details: PromptTokensDetails,
     pub completion_tokens_details: CompletionTokensDetails,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spade: Option<SpadeUsage>,

@@ -57,5 +57,5 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
 ), security((), ("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    spade_http::prometheus(state.metrics.render(state.draft_model.is_loaded(), &state.auto_choice()))
+    spade_http::prometheus(state.metrics.render(state.draft_model.get().map(|m| m.context_rows()), &state.auto_choice()))
 }

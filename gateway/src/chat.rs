@@ -176,7 +176,8 @@ pub async fn chat_completions(State(state): State<AppState>, Json(req): Json<Cha
         let format = CallFormat::of_template(state.model()?.meta().chat_template.as_deref());
         let valid = validate(req, format)?;
         let prompt = state.model()?.encode_conversation(&valid.turns, &valid.tools).await?;
-        let job = Job { tool_calls: valid.tool_calls.clone(), ..request::job(&state, &valid.decoding, prompt, "messages").await? };
+        let affinity = spade_core::affinity::chat_key(&valid.turns, &valid.tools);
+        let job = Job { tool_calls: valid.tool_calls.clone(), affinity, ..request::job(&state, &valid.decoding, prompt, "messages").await? };
         Ok::<_, ApiError>((valid, job))
     };
     let (valid, job) = prepared.await.inspect_err(|_| state.metrics.record_failure())?;

@@ -48,6 +48,9 @@ pub struct Job {
     pub binary: bool,
     /// The grammar the output follows (structured outputs); None: free text.
     pub grammar: Option<Constraint>,
+    /// The conversation's routing key, sent to the verifier in spade-core's `AFFINITY_HEADER` (see
+    /// spade-core's `affinity`), so that a load balancer keeps its turns on one replica.
+    pub affinity: String,
 }
 
 /// A grammar as the verifier is sent it, and compiled for the draft.
@@ -136,7 +139,7 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
     let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
-    let mut remote = RemoteSession::new(state.clone(), rule, grammar, job.seed, job.top_logprobs, job.binary);
+    let mut remote = RemoteSession::new(state.clone(), rule, grammar, job.seed, job.top_logprobs, job.binary, job.affinity.clone());
     let mut output = Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
     let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
         LoopError::Engine(e) => ApiError::from(e),
@@ -158,6 +161,8 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         accepted: stats.accepted as u64,
         bytes_sent: remote.bytes_sent,
         bytes_received: remote.bytes_received,
+        prompt_tokens: job.prompt.len() as u64,
+        prompt_cached_tokens: remote.prompt_cached_tokens.map(u64::from),
         degraded: stats.degraded,
         ttft: output.ttft,
         duration: Default::default(),

@@ -9,6 +9,7 @@ use spade_core::draft_control::DraftChoice;
 use spade_core::metrics::render_scalar;
 use spade_core::openai::{DraftLen, SpadeTiming};
 use spade_core::Histogram;
+use spade_engine::ContextRows;
 
 const SECONDS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
 const TOKENS_PER_SECOND: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0];
@@ -22,6 +23,10 @@ pub struct GenerationRecord {
     pub accepted: u64,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    pub prompt_tokens: u64,
+    /// Prompt tokens the verifier did not recompute (its first full-context answer); None when no
+    /// call reached it.
+    pub prompt_cached_tokens: Option<u64>,
     pub degraded: bool,
     pub ttft: Option<Duration>,
     pub duration: Duration,
@@ -42,6 +47,8 @@ pub struct Metrics {
     accepted: AtomicU64,
     bytes_sent: AtomicU64,
     bytes_received: AtomicU64,
+    prompt_cached: AtomicU64,
+    prompt_computed: AtomicU64,
     ahead_drafted: AtomicU64,
     ahead_used: AtomicU64,
     /// Seconds where the generations' time went (SpadeTiming, summed).
@@ -63,6 +70,8 @@ impl Default for Metrics {
             accepted: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
             bytes_received: AtomicU64::new(0),
+            prompt_cached: AtomicU64::new(0),
+            prompt_computed: AtomicU64::new(0),
             ahead_drafted: AtomicU64::new(0),
             ahead_used: AtomicU64::new(0),
             timing: Mutex::default(),
@@ -99,6 +108,10 @@ impl Metrics {
         add(&self.bytes_sent, r.bytes_sent);
         add(&self.bytes_received, r.bytes_received);
         add(&self.degraded, u64::from(r.degraded));
+        if let Some(cached) = r.prompt_cached_tokens {
+            add(&self.prompt_cached, cached);
+            add(&self.prompt_computed, r.prompt_tokens.saturating_sub(cached));
+        }
         add(&self.ahead_drafted, r.ahead_drafted);
         add(&self.ahead_used, r.ahead_used);
         {
@@ -116,8 +129,11 @@ impl Metrics {
         }
     }
 
+    /// `draft`: the draft model's context positions, cached and computed (None before it is loaded);
     /// `auto`: what a generation with `auto` draft length would start from now.
-    pub fn render(&self, ready: bool, auto: &DraftChoice) -> String {
+    pub fn render(&self, draft: Option<ContextRows>, auto: &DraftChoice) -> String {
+        let ready = draft.is_some();
+        let draft = draft.unwrap_or_default();
         let mut out = String::new();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let mut counter = |name: &str, help: &str, v: u64| render_scalar(&mut out, "counter", name, help, v);
@@ -133,6 +149,18 @@ impl Metrics {
         counter("spade_gateway_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.", load(&self.accepted));
         counter("spade_gateway_bytes_sent_total", "Bytes of /verify requests.", load(&self.bytes_sent));
         counter("spade_gateway_bytes_received_total", "Bytes of /verify answers.", load(&self.bytes_received));
+        counter(
+            "spade_gateway_prompt_tokens_cached_total",
+            "Prompt tokens the verifier did not recompute (its prefix cache held them).",
+            load(&self.prompt_cached),
+        );
+        counter("spade_gateway_prompt_tokens_computed_total", "Prompt tokens the verifier computed.", load(&self.prompt_computed));
+        counter("spade_gateway_draft_context_tokens_cached_total", "Context positions the draft model's rounds took from its prefix cache.", draft.cached);
+        counter(
+            "spade_gateway_draft_context_tokens_computed_total",
+            "Context positions the draft model's rounds computed (its prefill of what is new).",
+            draft.computed,
+        );
         counter("spade_gateway_draft_ahead_rounds_total", "Rounds that drafted ahead while a block was verified.", load(&self.ahead_drafted));
         counter("spade_gateway_draft_ahead_used_total", "Drafted-ahead blocks sent (the verifier confirmed their prefix).", load(&self.ahead_used));
         let timing = self.timing.lock().unwrap_or_else(|p| p.into_inner()).clone();

@@ -238,7 +238,6 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         None => None,
     };
     Ok(Job {
-        prompt,
         penalties,
         max_tokens: d.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
         sampling: d.sampling,
@@ -251,6 +250,8 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
         tool_calls: None,
         binary,
         grammar,
+        affinity: spade_core::affinity::prompt_key(&prompt),
+        prompt,
     })
 }
 

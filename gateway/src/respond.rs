@@ -11,8 +11,8 @@ use futures::{Stream, StreamExt};
 use rand::Rng;
 use serde_json::Value;
 use spade_core::openai::{
-    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason, Role,
-    SpadeTiming, SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
+    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason,
+    PromptTokensDetails, Role, SpadeTiming, SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
 };
 use spade_core::tools::{FunctionCallDelta, ToolCall, ToolCallDelta};
 
@@ -73,6 +73,10 @@ impl Meta {
             prompt_tokens: self.prompt_tokens as u32,
             completion_tokens: completion as u32,
             total_tokens: (self.prompt_tokens as u64 + completion) as u32,
+            // The prompt is counted once: the first choice's cache hit.
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: first.and_then(|r| r.prompt_cached_tokens).unwrap_or(0).min(self.prompt_tokens as u64) as u32,
+            },
             completion_tokens_details: CompletionTokensDetails {
                 accepted_prediction_tokens: accepted as u32,
                 rejected_prediction_tokens: (drafted - accepted) as u32,

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use reqwest::StatusCode;
 use spade_core::grammar::GrammarConstraint;
-use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken};
+use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken, AFFINITY_HEADER};
 use spade_core::wire::{decode_response, encode_request, BINARY_CONTENT_TYPE};
 use spade_core::DraftToken;
 use spade_engine::round::TargetRule;
@@ -92,16 +92,18 @@ impl VerifierClient {
         }
     }
 
-    /// Frees the verifier's cache of a finished generation (best effort: LRU eviction is the fallback).
-    pub async fn end_session(&self, id: &str) {
-        let sent = self.request(reqwest::Method::DELETE, &format!("/sessions/{id}")).timeout(INFO_TIMEOUT).send().await;
+    /// Ends a finished generation's session: the verifier keeps its rows as a prefix cache entry or
+    /// frees them (best effort: LRU eviction is the fallback). `affinity`: the conversation's key.
+    pub async fn end_session(&self, id: &str, affinity: &str) {
+        let sent = self.request(reqwest::Method::DELETE, &format!("/sessions/{id}")).header(AFFINITY_HEADER, affinity).timeout(INFO_TIMEOUT).send().await;
         if let Err(e) = sent {
             tracing::debug!("ending verifier session {id}: {}", describe(&e));
         }
     }
 
-    /// One verify call, retried; `binary` sends and asks for the compact form of `spade_core::wire`.
-    pub async fn verify(&self, request: &VerifyRequest, binary: bool) -> Result<Exchange, CallError> {
+    /// One verify call, retried; `binary` sends and asks for the compact form of `spade_core::wire`;
+    /// `affinity`: the conversation's routing key, for a load balancer in front of replicas.
+    pub async fn verify(&self, request: &VerifyRequest, binary: bool, affinity: &str) -> Result<Exchange, CallError> {
         let (body, content_type) = if binary {
             (encode_request(request), BINARY_CONTENT_TYPE)
         } else {
@@ -116,6 +118,7 @@ impl VerifierClient {
                 .request(reqwest::Method::POST, "/verify")
                 .header(reqwest::header::CONTENT_TYPE, content_type)
                 .header(reqwest::header::ACCEPT, content_type)
+                .header(AFFINITY_HEADER, affinity)
                 .body(body.clone())
                 .timeout(self.verify_timeout)
                 .send()
@@ -199,21 +202,47 @@ pub struct RemoteSession {
     seed: u64,
     top_logprobs: Option<u8>,
     binary: bool,
+    /// The conversation's routing key ([`AFFINITY_HEADER`]).
+    affinity: String,
     /// Tokens of the context the verifier's session holds; 0 sends the full context.
     synced: usize,
     /// A call was sent: the verifier may hold a session to free at the end.
     opened: bool,
     pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// The prompt tokens the verifier did not recompute, from its answer to the first full context.
+    pub prompt_cached_tokens: Option<u32>,
 }
 
 impl RemoteSession {
-    pub fn new(state: AppState, rule: TargetRule, grammar: Option<GrammarConstraint>, seed: u64, top_logprobs: Option<u8>, binary: bool) -> Self {
+    pub fn new(
+        state: AppState,
+        rule: TargetRule,
+        grammar: Option<GrammarConstraint>,
+        seed: u64,
+        top_logprobs: Option<u8>,
+        binary: bool,
+        affinity: String,
+    ) -> Self {
         // 72 random bits in 12 URL-safe characters: unique enough, and short, since every call carries it.
         const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let bits: u128 = rand::rng().random();
         let id = (0..12).map(|i| ALPHABET[(bits >> (6 * i)) as usize & 63] as char).collect();
-        Self { state, id, rule, grammar, seed, top_logprobs, binary, synced: 0, opened: false, bytes_sent: 0, bytes_received: 0 }
+        Self {
+            state,
+            id,
+            rule,
+            grammar,
+            seed,
+            top_logprobs,
+            binary,
+            affinity,
+            synced: 0,
+            opened: false,
+            bytes_sent: 0,
+            bytes_received: 0,
+            prompt_cached_tokens: None,
+        }
     }
 }
 
@@ -233,7 +262,7 @@ impl BlockVerifier for RemoteSession {
                 top_logprobs: self.top_logprobs,
             };
             self.opened = true;
-            let exchange = match self.state.verifier.verify(&request, self.binary).await {
+            let exchange = match self.state.verifier.verify(&request, self.binary, &self.affinity).await {
                 Err(CallError::ResendContext) if self.synced > 0 => {
                     tracing::info!("verifier lost the session; resending the full context");
                     self.synced = 0;
@@ -247,6 +276,9 @@ impl BlockVerifier for RemoteSession {
             self.bytes_sent += exchange.bytes_sent;
             self.bytes_received += exchange.bytes_received;
             let r = exchange.response;
+            if request.context_start == 0 {
+                self.prompt_cached_tokens.get_or_insert(r.cached_tokens);
+            }
             let accepted = r.accepted as usize;
             if accepted > drafts.len() {
                 return Err(VerifyFailure::Rejected(format!("accepted {accepted} of {} drafts", drafts.len())));
@@ -268,8 +300,8 @@ impl Drop for RemoteSession {
     fn drop(&mut self) {
         // The verifier holds this generation's KV cache: free it now, not at LRU eviction.
         if self.opened {
-            let (state, id) = (self.state.clone(), std::mem::take(&mut self.id));
-            tokio::spawn(async move { state.verifier.end_session(&id).await });
+            let (state, id, affinity) = (self.state.clone(), std::mem::take(&mut self.id), std::mem::take(&mut self.affinity));
+            tokio::spawn(async move { state.verifier.end_session(&id, &affinity).await });
         }
     }
 }
