@@ -4,7 +4,14 @@ Called by scripts/validate-deploy.sh after the schema validators and linters:
 
     validate-deploy-policy.py docker ROOT             Dockerfile, .dockerignore, .cargo/config.toml vs the workspace
     validate-deploy-policy.py compose CONFIG.json     `docker compose config --format json` output
+    validate-deploy-policy.py nginx CONF CONFIG.json  deploy/nginx's config, and the compose services it names
+    validate-deploy-policy.py caddy ADAPTED.json N    `caddy adapt` output of the Caddyfile with N upstreams
     validate-deploy-policy.py k8s RENDERED.yaml DIR   `kubectl kustomize DIR` output, and DIR itself
+
+Several verifier replicas must be reached through a hash of the gateway's affinity header (its name
+is read from core/src/protocol.rs, AFFINITY_HEADER), so that a conversation keeps reaching the
+replica that holds its prefix cache: the nginx upstream hash, Caddy's header policy, the Ingress's
+upstream-hash-by annotation.
 
 Prints one line per problem and exits 1 if there is any.
 """
@@ -17,12 +24,48 @@ import sys
 import tomllib
 
 problems = []
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The verifier's own request body limit (--max-body-bytes default); a proxy must allow as much.
+BODY_BYTES = 8 << 20
+# How long a proxy must wait for a verify: a long prompt's prefill can take minutes on CPU.
+READ_SECS = 600
+# When an nginx proxy must try the next replica. A replica that restarts listens at once and answers
+# 503 while its model loads; without non_idempotent nginx would pass that 503 for every POST /verify
+# (and not even count it as a failure), so its conversations would fail instead of moving.
+FAILOVER = {"error", "timeout", "http_503", "non_idempotent"}
+FAILOVER_WHY = "a dead or loading replica must cost a re-prefill on the next one, not an error"
 
 
 def need(cond, msg):
     if not cond:
         problems.append(msg)
     return cond
+
+
+def affinity_header():
+    """The header the gateway sends (spade-core's AFFINITY_HEADER), lower case."""
+    path = os.path.join(ROOT, "core/src/protocol.rs")
+    m = re.search(r'pub const AFFINITY_HEADER: &str = "([^"]+)"', open(path, encoding="utf-8").read())
+    if not need(m, "core/src/protocol.rs: no `pub const AFFINITY_HEADER: &str = \"...\"` to check the proxies against"):
+        return "x-spade-affinity"
+    return m.group(1).lower()
+
+
+def nginx_var(header):
+    """nginx's variable for a request header: $http_ + lower case, '-' as '_'."""
+    return "$http_" + header.lower().replace("-", "_")
+
+
+def size_bytes(v):
+    """An nginx / ingress-nginx size ("8m", "1024k", "8388608") in bytes; None if unreadable."""
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", str(v).strip())
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()] if m else None
+
+
+def seconds(v):
+    """An nginx time ("600s", "10m", "600") in seconds; None if unreadable."""
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)?", str(v).strip())
+    return int(m.group(1)) * {"ms": 0.001, "s": 1, None: 1, "m": 60, "h": 3600}[m.group(2)] if m else None
 
 
 # --- docker -------------------------------------------------------------------------------------
@@ -156,8 +199,8 @@ def check_docker(root):
 def check_compose(path):
     cfg = json.load(open(path, encoding="utf-8"))
     svc = cfg.get("services", {})
-    for name in ("verifier", "gateway", "link", "tls"):
-        need(name in svc, f"compose: no service {name}")
+    for name in ("verifier", "gateway", "link", "tls", "verifier-b", "lb"):
+        need(name in svc, f"compose: no service {name} (render with every profile)")
     if not problems:
         v, g = svc["verifier"], svc["gateway"]
         need(not v.get("ports"), "compose: the verifier publishes ports to the host; it should be reachable on the compose network only")
@@ -174,6 +217,159 @@ def check_compose(path):
         need("latency" in svc["link"].get("profiles", []), "compose: link is not in the `latency` profile")
         need("tls" in svc["tls"].get("profiles", []), "compose: tls is not in the `tls` profile")
         need(svc["link"].get("entrypoint", [""])[0].endswith("spade-delay-proxy"), "compose: link does not run spade-delay-proxy")
+        check_compose_replicas(svc)
+
+
+def check_compose_replicas(svc):
+    """Profile `replicas`: a second verifier exactly like the first, and the nginx load balancer."""
+    v, b, lb = svc["verifier"], svc["verifier-b"], svc["lb"]
+    need("replicas" in b.get("profiles", []), "compose: verifier-b is not in the `replicas` profile")
+    need("replicas" in lb.get("profiles", []), "compose: lb is not in the `replicas` profile")
+    for key in ("image", "environment", "volumes", "healthcheck", "expose", "restart"):
+        need(b.get(key) == v.get(key), f"compose: verifier-b's {key} differs from verifier's; the replicas must be alike")
+    need(not b.get("ports"), "compose: verifier-b publishes ports to the host")
+    need(not lb.get("ports"), "compose: lb publishes ports to the host; like the verifier it is for the compose network")
+    image = lb.get("image", "")
+    need(re.fullmatch(r"nginx:\d+\.\d+[\w.-]*", image), f"compose: lb image {image!r} is not an nginx image pinned to a version")
+    conf = [m for m in lb.get("volumes", []) if m.get("target") == "/etc/nginx/nginx.conf"]
+    need(conf and all(m.get("read_only") and m.get("source", "").endswith("/deploy/nginx/nginx.conf") for m in conf),
+         "compose: lb does not mount deploy/nginx/nginx.conf read-only at /etc/nginx/nginx.conf")
+    need("/health" in " ".join(lb.get("healthcheck", {}).get("test", [])), "compose: lb healthcheck does not hit /health")
+    for name in ("verifier", "verifier-b"):
+        need(name in lb.get("depends_on", {}), f"compose: lb does not depend on {name}")
+    dep = svc["gateway"].get("depends_on", {}).get("lb", {})
+    need(dep.get("condition") == "service_healthy" and dep.get("required") is False,
+         "compose: gateway should wait for lb (service_healthy, required: false) when the `replicas` profile runs it")
+
+
+# --- nginx --------------------------------------------------------------------------------------
+
+
+def nginx_parse(text):
+    """nginx.conf as a tree: [(directive, [args], children or None)]. Enough of the grammar for a
+    hand-written file: comments, quotes, blocks (nginx -t checks the real grammar)."""
+    tokens = re.findall(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|#[^\n]*|[{};]|[^\s{};"\'#]+', text)
+    tokens = [t[1:-1] if t[:1] in "\"'" else t for t in tokens if not t.startswith("#")]
+    pos = 0
+
+    def block():
+        nonlocal pos
+        out, words = [], []
+        while pos < len(tokens):
+            t = tokens[pos]
+            pos += 1
+            if t == ";":
+                if words:
+                    out.append((words[0], words[1:], None))
+                words = []
+            elif t == "{":
+                children = block()
+                out.append((words[0], words[1:], children))
+                words = []
+            elif t == "}":
+                return out
+            else:
+                words.append(t)
+        return out
+
+    return block()
+
+
+def nginx_find(tree, name):
+    return [d for d in tree if d[0] == name]
+
+
+def nginx_setting(chain, name):
+    """The value of `name` in the innermost of the nested blocks `chain` (outermost first) that sets it."""
+    for tree in reversed(chain):
+        found = nginx_find(tree, name)
+        if found:
+            return found[-1][1]
+    return None
+
+
+def check_nginx(conf, compose_json):
+    name = os.path.relpath(conf, ROOT)
+    var = nginx_var(affinity_header())
+    tree = nginx_parse(open(conf, encoding="utf-8").read())
+    https = nginx_find(tree, "http")
+    if not need(https and https[0][2] is not None, f"{name}: no http block"):
+        return
+    http = https[0][2]
+    svc = json.load(open(compose_json, encoding="utf-8")).get("services", {})
+    lb = svc.get("lb", {})
+    mounted = any(os.path.realpath(m.get("source", "")) == os.path.realpath(conf) for m in lb.get("volumes", []))
+    need(mounted, f"{name}: not the file the compose service lb mounts")
+
+    upstreams = {u[1][0]: u[2] for u in nginx_find(http, "upstream") if u[1] and u[2] is not None}
+    hashed = {u for u, body in upstreams.items() if any(d[1] == [var, "consistent"] for d in nginx_find(body, "hash"))}
+    need(hashed, f"{name}: no upstream with `hash {var} consistent;`: the verifier replicas must be chosen by the "
+                 f"gateway's affinity header, consistently, so that a conversation keeps its replica")
+    verifier_image = svc.get("verifier", {}).get("image")
+    replicas = {n for n, s in svc.items() if s.get("image") == verifier_image}
+    for u in sorted(hashed):
+        servers = nginx_find(upstreams[u], "server")
+        need(len(servers) >= 2, f"{name}: upstream {u} has fewer than two servers")
+        named = set()
+        for d in servers:
+            host, _, port = d[1][0].rpartition(":")
+            named.add(host)
+            need(host in replicas and port == "8081", f"{name}: upstream {u} server {d[1][0]} is not a verifier replica of "
+                                                      f"compose ({', '.join(sorted(replicas))}) on port 8081")
+            opts = dict(a.split("=", 1) for a in d[1][1:] if "=" in a)
+            need("max_fails" in opts and "fail_timeout" in opts, f"{name}: upstream {u} server {d[1][0]} has no max_fails/fail_timeout")
+        need(named >= replicas, f"{name}: upstream {u} leaves out the compose replica(s) {', '.join(sorted(replicas - named))}")
+        need(nginx_find(upstreams[u], "keepalive"), f"{name}: upstream {u} keeps no idle connections (keepalive)")
+
+    lb_ports = {str(p) for p in lb.get("expose", [])}
+    proxied = 0
+    for server in (d[2] for d in nginx_find(http, "server") if d[2] is not None):
+        listens = {a[0].rpartition(":")[2] for _, a, _ in nginx_find(server, "listen")}
+        need(listens & lb_ports, f"{name}: a server listens on {sorted(listens)}, none of which lb exposes ({sorted(lb_ports)})")
+        for loc in (d[2] for d in nginx_find(server, "location") if d[2] is not None):
+            target = (nginx_setting([loc], "proxy_pass") or [""])[0]
+            if target.split("://", 1)[-1].rstrip("/") not in hashed:
+                continue
+            proxied += 1
+            chain = [http, server, loc]
+            where = f"{name}: the location proxying to {target}"
+            need(nginx_setting(chain, "proxy_http_version") == ["1.1"], f"{where} does not use proxy_http_version 1.1 (needed for upstream keepalive)")
+            headers = [a for t in chain for d, a, _ in nginx_find(t, "proxy_set_header") if a[:1] == ["Connection"]]
+            need(["Connection", ""] in headers, f'{where} does not clear the Connection header (proxy_set_header Connection "")')
+            nxt = nginx_setting(chain, "proxy_next_upstream") or ["error", "timeout"]
+            need(FAILOVER <= set(nxt), f"{where}: proxy_next_upstream {' '.join(nxt)} lacks {' '.join(sorted(FAILOVER - set(nxt)))}; {FAILOVER_WHY}")
+            body = size_bytes((nginx_setting(chain, "client_max_body_size") or ["1m"])[0])
+            need(body is not None and (body == 0 or body >= BODY_BYTES), f"{where}: client_max_body_size is below the verifier's 8 MiB")
+            read = seconds((nginx_setting(chain, "proxy_read_timeout") or ["60s"])[0])
+            need(read is not None and read >= READ_SECS, f"{where}: proxy_read_timeout is under {READ_SECS} s; a long verify would be cut")
+    need(proxied, f"{name}: no location proxies to a hashed upstream")
+
+
+# --- caddy --------------------------------------------------------------------------------------
+
+
+def check_caddy(adapted, upstreams):
+    header = affinity_header()
+
+    def proxies(o):
+        if isinstance(o, dict):
+            if o.get("handler") == "reverse_proxy":
+                yield o
+            for v in o.values():
+                yield from proxies(v)
+        elif isinstance(o, list):
+            for v in o:
+                yield from proxies(v)
+
+    found = list(proxies(json.load(open(adapted, encoding="utf-8"))))
+    if not need(found, "caddy: the adapted Caddyfile has no reverse_proxy"):
+        return
+    for p in found:
+        need(len(p.get("upstreams", [])) == int(upstreams), f"caddy: reverse_proxy has {len(p.get('upstreams', []))} upstreams, expected {upstreams} from SPADE_TLS_UPSTREAMS")
+        policy = p.get("load_balancing", {}).get("selection_policy", {})
+        need(policy.get("policy") == "header" and policy.get("field", "").lower() == header,
+             f"caddy: reverse_proxy does not choose its upstream by the {header} header (lb_policy header)")
+        need(p.get("health_checks", {}).get("active", {}).get("uri") == "/health", "caddy: reverse_proxy does not health-check /health")
 
 
 # --- kubernetes ---------------------------------------------------------------------------------
@@ -217,7 +413,9 @@ def check_k8s(path, folder):
     labels = spec["template"]["metadata"]["labels"]
     need(all(labels.get(k) == v for k, v in svc["spec"]["selector"].items()), "k8s: the Service selector does not match the pod labels")
     need(all(labels.get(k) == v for k, v in spec["selector"]["matchLabels"].items()), "k8s: the Deployment selector does not match its pod labels")
-    need(svc["spec"].get("sessionAffinity") == "ClientIP", "k8s: the Service has no sessionAffinity: ClientIP")
+    need(svc["spec"].get("sessionAffinity", "None") == "None",
+         "k8s: the Service has sessionAffinity: it would pin whole gateways to replicas; the Ingress hashes each conversation instead")
+    check_ingress(by_kind.get("Ingress", []), svc)
     port_names = {p.get("name") for p in c.get("ports", [])} | {p["containerPort"] for p in c.get("ports", [])}
     for p in svc["spec"]["ports"]:
         need(p.get("targetPort") in port_names, f"k8s: Service targetPort {p.get('targetPort')} is not a container port")
@@ -230,9 +428,42 @@ def check_k8s(path, folder):
     need(claims <= rendered_claims, f"k8s: PVC(s) {sorted(claims - rendered_claims)} used but not defined")
 
 
+def check_ingress(ingresses, svc):
+    """The verifier is reached through header hashing: an ingress-nginx Ingress hashing the affinity header."""
+    var = nginx_var(affinity_header())
+    ports = {p.get("name") for p in svc["spec"]["ports"]} | {p["port"] for p in svc["spec"]["ports"]}
+
+    def routes(ing):
+        rules = ing["spec"].get("rules", [])
+        backends = [p["backend"] for r in rules for p in r.get("http", {}).get("paths", [])]
+        backends.append(ing["spec"].get("defaultBackend") or {})
+        return [b["service"] for b in backends if b.get("service", {}).get("name") == svc["metadata"]["name"]]
+
+    mine = [i for i in ingresses if routes(i)]
+    if not need(mine, "k8s: no Ingress routes to the verifier Service; it must be reached through header hashing"):
+        return
+    for ing in mine:
+        name = f"k8s: Ingress {ing['metadata']['name']}"
+        for b in routes(ing):
+            port = b.get("port", {})
+            need(port.get("name") in ports or port.get("number") in ports, f"{name}: backend port {port} is not a port of the Service")
+        ann = ing["metadata"].get("annotations", {})
+        a = lambda k: ann.get("nginx.ingress.kubernetes.io/" + k)
+        need(a("upstream-hash-by") == var, f"{name}: annotation nginx.ingress.kubernetes.io/upstream-hash-by is not {var!r}: "
+                                           f"each conversation must keep reaching the replica that holds its prefix")
+        need(ing["spec"].get("ingressClassName"), f"{name}: no ingressClassName")
+        body = size_bytes(a("proxy-body-size") or "1m")
+        need(body is not None and (body == 0 or body >= BODY_BYTES), f"{name}: proxy-body-size is below the verifier's 8 MiB")
+        read = seconds(a("proxy-read-timeout") or "60")
+        need(read is not None and read >= READ_SECS, f"{name}: proxy-read-timeout is under {READ_SECS} s; a long verify would be cut")
+        nxt = (a("proxy-next-upstream") or "error timeout").split()
+        need(FAILOVER <= set(nxt), f"{name}: proxy-next-upstream lacks {' '.join(sorted(FAILOVER - set(nxt)))}; {FAILOVER_WHY}")
+        need(ing["spec"].get("tls"), f"{name}: no TLS; the API key and prompts would cross the network in clear")
+
+
 if __name__ == "__main__":
     what, args = sys.argv[1], sys.argv[2:]
-    {"docker": check_docker, "compose": check_compose, "k8s": check_k8s}[what](*args)
+    {"docker": check_docker, "compose": check_compose, "nginx": check_nginx, "caddy": check_caddy, "k8s": check_k8s}[what](*args)
     for p in problems:
         print(p)
     sys.exit(1 if problems else 0)

@@ -4,18 +4,22 @@
 #   docker/Dockerfile*        hadolint (lint + shellcheck of RUN steps), plus the project checks below
 #   deploy/compose.yaml       the compose-spec JSON schema (check-jsonschema's vendored copy) and
 #                             Docker Compose's own loader (`docker-compose config`) for every profile
-#   deploy/caddy/Caddyfile    `caddy adapt --validate` (Debian's caddy package)
+#   deploy/caddy/Caddyfile    `caddy adapt --validate` (Debian's caddy package), one and two upstreams
+#   deploy/nginx/nginx.conf   `nginx -t` (the system's nginx, else Debian's nginx package), on a copy
+#                             whose upstream host names resolve here (see nginx_test)
 #   deploy/k8s/               kubernetes-validate --strict (Kubernetes OpenAPI schemas, oldest and
 #                             newest supported version) on every manifest and on the kustomize output
 #                             (`kubectl kustomize`)
 #   all of them               scripts/validate-deploy-policy.py: the project's invariants (non-root,
-#                             /health probes, ports, read-only models, AVX2 target kept, binaries exist)
+#                             /health probes, ports, read-only models, AVX2 target kept, binaries exist,
+#                             replicas reached by a hash of the gateway's X-Spade-Affinity header)
 #
 # First it checks that each validator rejects a known-broken input, so a validator that silently
 # accepts everything is caught too. Exits non-zero if anything failed.
 #
 # Tools are installed on first use into SPADE_TOOLS_DIR (default ~/.cache/spade/tools) and reused:
 # a Python venv with pinned PyPI packages, and Debian packages unpacked with `apt-get download`.
+# nginx is the system's when installed (NGINX=PATH picks another binary).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,11 +61,11 @@ if [ "$(cat "$venv/.requirements" 2>/dev/null)" != "$requirements" ]; then
 fi
 vpy=$venv/bin/python
 
-# deb_tool PACKAGE BINARY: path of BINARY from Debian's PACKAGE, unpacked (not installed) under
-# $tools/deb; prints nothing if the package cannot be had.
+# deb_tool PACKAGE BINARY: path of BINARY (in usr/bin or usr/sbin) from Debian's PACKAGE, unpacked
+# (not installed) under $tools/deb; prints nothing if the package cannot be had.
 deb_tool() {
-  local pkg=$1 bin=$2 dir=$tools/deb/$1
-  if [ ! -x "$dir/root/usr/bin/$bin" ]; then
+  local pkg=$1 bin=$2 dir=$tools/deb/$1 d
+  if [ ! -x "$dir/root/usr/bin/$bin" ] && [ ! -x "$dir/root/usr/sbin/$bin" ]; then
     command -v apt-get >/dev/null && command -v dpkg >/dev/null || return 0
     rm -rf "$dir" && mkdir -p "$dir"
     if ! (cd "$dir" && apt-get download "$pkg" >/dev/null 2>&1); then
@@ -71,7 +75,9 @@ deb_tool() {
     fi
     dpkg -x "$dir"/"${pkg}"_*.deb "$dir/root" || return 0
   fi
-  [ -x "$dir/root/usr/bin/$bin" ] && echo "$dir/root/usr/bin/$bin"
+  for d in bin sbin; do
+    [ -x "$dir/root/usr/$d/$bin" ] && echo "$dir/root/usr/$d/$bin" && break
+  done
   return 0
 }
 
@@ -80,6 +86,18 @@ compose=$venv/bin/docker-compose
 kval=$venv/bin/kubernetes-validate
 cjs=$venv/bin/check-jsonschema
 caddy=$(deb_tool caddy caddy)
+# NGINX if set, else the system's nginx (the gateway's replica test uses it too; Debian keeps it in
+# /usr/sbin, which a non-root PATH may lack), else Debian's package unpacked: installing it would
+# also start a server on port 80.
+if [ -n "${NGINX:-}" ]; then
+  nginx=$NGINX
+elif command -v nginx >/dev/null; then
+  nginx=$(command -v nginx)
+elif [ -x /usr/sbin/nginx ]; then
+  nginx=/usr/sbin/nginx
+else
+  nginx=$(deb_tool nginx nginx)
+fi
 if command -v kubectl >/dev/null && kubectl kustomize --help >/dev/null 2>&1; then
   kubectl=$(command -v kubectl)
 else
@@ -91,6 +109,7 @@ v_compose=$("$compose" version --short)
 v_kval=$("$kval" --version)
 v_cjs=$("$cjs" --version | awk '{print $NF}')
 v_caddy=${caddy:+$("$caddy" version | awk '{print $1}')}
+v_nginx=${nginx:+$("$nginx" -v 2>&1 | sed -n 's|.*nginx/||p')}
 v_kubectl=${kubectl:+$("$kubectl" version --client 2>/dev/null | sed -nE '1s/.*(GitVersion:"|Version: )v?([0-9][^",]*).*/\2/p')}
 
 # --- bookkeeping --------------------------------------------------------------------------------
@@ -137,10 +156,33 @@ to_file() { local out=$1; shift; "$@" >"$out"; }
 # Compose with a clean environment: only what the stack needs to interpolate.
 compose_cfg() { env -i PATH="$PATH" HOME="$tmp/home" SPADE_VERIFIER_API_KEY=validate-only "$@"; }
 
-caddy_adapt() { # caddy_adapt CADDYFILE SPADE_TLS
+caddy_adapt() { # caddy_adapt CADDYFILE SPADE_TLS [SPADE_TLS_UPSTREAMS]
   env -i PATH="$PATH" HOME="$tmp/home" XDG_DATA_HOME="$tmp/caddy-data" XDG_CONFIG_HOME="$tmp/caddy-config" \
-    SPADE_TLS_SITE=verifier.example.com SPADE_TLS="$2" \
+    SPADE_TLS_SITE=verifier.example.com SPADE_TLS="$2" ${3:+SPADE_TLS_UPSTREAMS="$3"} \
     "$caddy" adapt --config "$1" --adapter caddyfile --validate
+}
+
+# nginx_test CONF: `nginx -t` on a copy of CONF that this machine can load. nginx resolves upstream
+# server names while it tests a config, and the compose service names (verifier, verifier-b) only
+# resolve on the compose network: the copy has each `server HOST:PORT` of an upstream replaced by
+# 127.0.0.1 with a port of its own. Its temp folders and pid file move under $tmp too, so that the
+# test needs no root and leaves the system's /var/lib/nginx and /run alone. Nothing else changes.
+nginx_test() {
+  local dir m
+  dir=$(mktemp -d "$tmp/nginx.XXXXXX")
+  local temps=(client_body proxy)
+  for m in fastcgi uwsgi scgi; do # only those built in, or the directive is unknown
+    "$nginx" -V 2>&1 | grep -q -- "--without-http_${m}_module" || temps+=("$m")
+  done
+  awk -v dir="$dir" -v temps="${temps[*]}" '
+    BEGIN { n = split(temps, t, " ") }
+    /^[[:space:]]*server[[:space:]]+[A-Za-z0-9._-]+:[0-9]+([[:space:];]|$)/ {
+      port++; sub(/server[[:space:]]+[A-Za-z0-9._-]+:[0-9]+/, "server 127.0.0.1:" 18080 + port)
+    }
+    { print }
+    /^[[:space:]]*http[[:space:]]*\{/ { for (i = 1; i <= n; i++) printf "    %s_temp_path %s/%s;\n", t[i], dir, t[i] }
+  ' "$1" >"$dir/nginx.conf"
+  "$nginx" -t -q -p "$dir/" -e stderr -c "$dir/nginx.conf" -g "pid $dir/nginx.pid;"
 }
 
 # --- 1. the validators reject broken inputs -----------------------------------------------------
@@ -151,6 +193,8 @@ printf 'services:\n  a:\n    image: x\n    restart: sometimes\n    healthcheck: 
 printf 'services:\n  a:\n    image: x\n    depends_on:\n      b: {condition: service_healthy}\n' >"$tmp/bad/compose-dep.yaml"
 sed 's/readinessProbe:/readinesProbe:/' deploy/k8s/verifier-deployment.yaml >"$tmp/bad/deployment.yaml"
 printf 'localhost {\n\tno_such_directive on\n}\n' >"$tmp/bad/Caddyfile"
+# The real config with one invalid value: caught by nginx's own checks, not a parse error.
+sed 's/proxy_next_upstream error timeout/proxy_next_upstream error sometimes/' deploy/nginx/nginx.conf >"$tmp/bad/nginx.conf"
 
 reject "hadolint rejects a bad Dockerfile" "hadolint $v_hadolint" -- "$hadolint" --no-color "$tmp/bad/Dockerfile"
 reject "compose-spec schema rejects a bad compose file" "check-jsonschema $v_cjs" -- \
@@ -161,6 +205,9 @@ reject "kubernetes-validate --strict rejects a misspelt field" "kubernetes-valid
   "$kval" --strict --quiet "$tmp/bad/deployment.yaml"
 if [ -n "$caddy" ]; then
   reject "caddy rejects a bad Caddyfile" "caddy $v_caddy" -- caddy_adapt "$tmp/bad/Caddyfile" internal
+fi
+if [ -n "$nginx" ]; then
+  reject "nginx -t rejects a bad proxy_next_upstream" "nginx $v_nginx" -- nginx_test "$tmp/bad/nginx.conf"
 fi
 
 # --- 2. Dockerfiles and build context -----------------------------------------------------------
@@ -180,18 +227,41 @@ check "$cf, default profile" "docker-compose $v_compose config" -- compose_cfg "
 check "$cf, profile latency (gateway via link)" "docker-compose $v_compose config" -- \
   compose_cfg SPADE_GATEWAY_VERIFIER_URL=http://link:9000 SPADE_RTT_MS=80 "$compose" -f "$cf" --profile latency config -q
 check "$cf, profile tls" "docker-compose $v_compose config" -- compose_cfg "$compose" -f "$cf" --profile tls config -q
+check "$cf, profile replicas (gateway via lb)" "docker-compose $v_compose config" -- \
+  compose_cfg SPADE_GATEWAY_VERIFIER_URL=http://lb:8081 "$compose" -f "$cf" --profile replicas config -q
 reject "$cf refuses to start without SPADE_VERIFIER_API_KEY" "docker-compose $v_compose config" -- \
   env -i PATH="$PATH" HOME="$tmp/home" "$compose" -f "$cf" config -q
 check "$cf, all profiles rendered" "docker-compose $v_compose config" -- \
-  to_file "$tmp/compose.json" compose_cfg "$compose" -f "$cf" --profile latency --profile tls config --format json
+  to_file "$tmp/compose.json" compose_cfg "$compose" -f "$cf" --profile latency --profile tls --profile replicas config --format json
 if [ -s "$tmp/compose.json" ]; then
-  check "$cf invariants (ports, health, read-only models)" "validate-deploy-policy.py" -- \
+  check "$cf invariants (ports, health, read-only models, replicas alike)" "validate-deploy-policy.py" -- \
     "$vpy" scripts/validate-deploy-policy.py compose "$tmp/compose.json"
+fi
+
+nc=deploy/nginx/nginx.conf
+if [ -n "$nginx" ]; then
+  check "$nc (upstream hosts as 127.0.0.1)" "nginx $v_nginx -t" -- nginx_test "$nc"
+else
+  skip "$nc" "no nginx on this machine and Debian's nginx package could not be fetched"
+fi
+if [ -s "$tmp/compose.json" ]; then
+  check "$nc invariants (header hash, failover, keepalive, limits, compose replicas)" "validate-deploy-policy.py" -- \
+    "$vpy" scripts/validate-deploy-policy.py nginx "$nc" "$tmp/compose.json"
 fi
 
 if [ -n "$caddy" ]; then
   check "deploy/caddy/Caddyfile, tls internal" "caddy $v_caddy adapt --validate" -- caddy_adapt deploy/caddy/Caddyfile internal
   check "deploy/caddy/Caddyfile, ACME e-mail" "caddy $v_caddy adapt --validate" -- caddy_adapt deploy/caddy/Caddyfile ops@example.com
+  # The default single upstream, and the two replicas of the compose profile `replicas`.
+  for ups in "" "verifier:8081 verifier-b:8081"; do
+    n=$(wc -w <<<"${ups:-verifier:8081}")
+    check "deploy/caddy/Caddyfile, $n upstream(s)" "caddy $v_caddy adapt --validate" -- \
+      to_file "$tmp/caddy-$n.json" caddy_adapt deploy/caddy/Caddyfile internal "$ups"
+    if [ -s "$tmp/caddy-$n.json" ]; then
+      check "deploy/caddy/Caddyfile invariants, $n upstream(s) (header hash, /health)" "validate-deploy-policy.py" -- \
+        "$vpy" scripts/validate-deploy-policy.py caddy "$tmp/caddy-$n.json" "$n"
+    fi
+  done
 else
   skip "deploy/caddy/Caddyfile" "Debian's caddy package could not be fetched"
 fi
@@ -211,7 +281,7 @@ if [ -n "$kubectl" ]; then
   if [ -s "$tmp/k8s.yaml" ]; then
     check "rendered kustomization against Kubernetes ${k8s_versions##* }" "kubernetes-validate $v_kval --strict" -- \
       "$kval" --strict --quiet "$tmp/k8s.yaml"
-    check "deploy/k8s invariants (probes, non-root, affinity, secret)" "validate-deploy-policy.py" -- \
+    check "deploy/k8s invariants (probes, non-root, secret, ingress header hash)" "validate-deploy-policy.py" -- \
       "$vpy" scripts/validate-deploy-policy.py k8s "$tmp/k8s.yaml" deploy/k8s
   fi
 else
