@@ -11,12 +11,16 @@
 //!   counters and CPU time),
 //!   [`summary`] and [`stats`] (the figures), [`report`] (the Markdown tables).
 //!
+//! - The `spade-agent-bench` binary's [`agent`]: a coding agent's multi-turn conversation, turn by
+//!   turn, speculative with the verifier's prefix cache against target-only without it.
+//!
 //! - The `spade-capacity` binary's [`capacity`]: recorded edges replayed against one verifier,
 //!   batched and one call at a time.
 //!
 //! The `spade-delay-proxy` binary is a thin command line over [`run_proxy`]; tests and benchmarks start
 //! the proxy in-process with [`spawn_proxy`].
 
+pub mod agent;
 pub mod capacity;
 pub mod client;
 pub mod link;
