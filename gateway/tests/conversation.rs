@@ -6,7 +6,7 @@
 
 mod real;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -104,9 +104,9 @@ async fn each_turn_starts_from_the_last_and_answers_as_target_only() {
     assert_eq!(metric(&gateway.url, "spade_gateway_prompt_tokens_cached_total").await, cached);
 }
 
-/// nginx from the system (Debian's package; `.ci/run` installs it) on `port`, hashing on the affinity
-/// header over `upstreams` as deploy/nginx does, in one process (`master_process off`), so that
-/// killing it leaves no worker behind.
+/// nginx from the system (Debian's package; `.ci/run` installs it) on `port` with deploy/nginx's
+/// configuration over `upstreams`, in one process (`master_process off`), so that killing it leaves
+/// no worker behind.
 struct Nginx {
     child: Child,
     _dir: tempdir::Dir,
@@ -137,32 +137,39 @@ fn nginx_binary() -> PathBuf {
         .unwrap_or_else(|| panic!("this test needs nginx (Debian: apt-get install nginx-light, or nginx); .ci/run installs it"))
 }
 
-async fn start_nginx(port: u16, upstreams: &[&str]) -> Nginx {
+async fn start_nginx(port: u16, upstreams: [&str; 2]) -> Nginx {
     let dir = std::env::temp_dir().join(format!("spade-nginx-{}-{port}", std::process::id()));
-    std::fs::create_dir_all(dir.join("logs")).unwrap();
-    let servers: String = upstreams.iter().map(|u| format!("        server {u} max_fails=1 fail_timeout=30s;\n")).collect();
-    let config = format!(
-        "master_process off;\nerror_log {dir}/logs/error.log warn;\npid {dir}/nginx.pid;\nevents {{ worker_connections 256; }}\nhttp {{\n    access_log off;\n    \
-         client_body_temp_path {dir}/body;\n    proxy_temp_path {dir}/proxy;\n    fastcgi_temp_path {dir}/fastcgi;\n    uwsgi_temp_path {dir}/uwsgi;\n    \
-         scgi_temp_path {dir}/scgi;\n    upstream verifiers {{\n        hash $http_x_spade_affinity consistent;\n{servers}        keepalive 16;\n    }}\n    \
-         server {{\n        listen 127.0.0.1:{port};\n        client_max_body_size 8m;\n        location / {{\n            proxy_pass http://verifiers;\n            \
-         proxy_http_version 1.1;\n            proxy_set_header Connection \"\";\n            proxy_next_upstream error timeout http_502 http_503;\n            \
-         proxy_read_timeout 600s;\n        }}\n    }}\n}}\n",
-        dir = dir.display()
-    );
+    std::fs::create_dir_all(&dir).unwrap();
+    // The shipped configuration, with this test's addresses, one process, and its files in `dir`.
+    let shipped = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nginx/nginx.conf")).unwrap();
+    let d = dir.display();
+    let temp_paths: String = ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"].iter().map(|t| format!("\n    {t}_temp_path {d}/{t};")).collect();
+    let mut config = shipped;
+    for (from, to) in [
+        ("worker_processes auto;", format!("master_process off;\npid {d}/nginx.pid;")),
+        ("server verifier:8081 ", format!("server {} ", upstreams[0])),
+        ("server verifier-b:8081 ", format!("server {} ", upstreams[1])),
+        ("listen 8081;", format!("listen 127.0.0.1:{port};")),
+        ("http {", format!("http {{{temp_paths}")),
+    ] {
+        assert!(config.contains(from), "deploy/nginx/nginx.conf no longer has {from:?}: update this test");
+        config = config.replacen(from, &to, 1);
+    }
+    assert!(config.contains("hash $http_x_spade_affinity consistent;"), "the shipped configuration must hash on the affinity header");
     let conf = dir.join("nginx.conf");
     std::fs::write(&conf, config).unwrap();
+    let log = dir.join("nginx.log");
     let child = Command::new(nginx_binary())
-        .args(["-p", &dir.display().to_string(), "-c", &conf.display().to_string(), "-g", "daemon off; user root;"])
+        .args(["-p", &dir.display().to_string(), "-c", &conf.display().to_string(), "-g", "daemon off;"])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("starting nginx");
     let nginx = Nginx { child, _dir: tempdir::Dir(dir) };
     let deadline = Instant::now() + Duration::from_secs(10);
     while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        assert!(Instant::now() < deadline, "nginx did not listen on {port}");
+        assert!(Instant::now() < deadline, "nginx did not listen on {port}: {}", std::fs::read_to_string(&log).unwrap_or_default());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     nginx
@@ -175,7 +182,7 @@ async fn replicas_behind_nginx_keep_a_conversation_together_and_survive_losing_i
     let mut replicas = [start_verifier_on(port_a, &[]).await, start_verifier_on(port_b, &[]).await];
     let lb_port = free_port();
     let (a, b) = (format!("127.0.0.1:{port_a}"), format!("127.0.0.1:{port_b}"));
-    let _nginx = start_nginx(lb_port, &[&a, &b]).await;
+    let _nginx = start_nginx(lb_port, [&a, &b]).await;
     let gateway = start_gateway(&format!("http://127.0.0.1:{lb_port}"), &["--draft-len", "4", "--verify-retries", "2"]).await;
 
     // Three turns: all reach one replica, whose cache serves the second and third.
