@@ -9,7 +9,8 @@
 //! - [`grammar`]: constrained decoding: a grammar's token masks, advanced over the output so far.
 //! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
-//! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times.
+//! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times,
+//!   and the record of each round that the speculative loop logs.
 //! - [`prefix_index`]: which cached token sequence shares the longest prefix with a new one (hash-chained blocks).
 //! - [`pass_times`]: a forward pass's time by rows, learnt as each size's own time times a pace all share.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.

@@ -4,10 +4,9 @@
 //! the verifier's cost this way ([`crate::draft_control::Estimates::verify_time`]). A shared host's slow
 //! stretches and the load of other work move every size alike, while which sizes are timed follows what
 //! gateways draft. Learnt apart, the sizes timed lately followed the host and the others kept their old
-//! times: gateways were seeded with 244 ms for 3 rows, 231 for 4 and 322 for 5 (benchmark
-//! quick-dec3-turns), and a size that met a few slow calls looked costlier than its neighbours for as
-//! long as that kept it from being drafted, which over a gateway's successive generations left `auto`
-//! 5-7% behind d = 4 at 50-150 ms in `examples/draft_control_sim.rs --warm --phases`.
+//! times (a gateway was once seeded with 3 rows costing more than 4), and a size that met a few slow
+//! calls looked costlier than its neighbours for as long as that kept it from being drafted, which
+//! left `auto` behind a fixed length (measured: see docs/benchmarks.md, adaptive draft length).
 
 /// How fast a [`PacedTimes`] learns.
 #[derive(Clone, Copy, Debug, PartialEq)]

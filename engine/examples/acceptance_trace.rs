@@ -1,5 +1,5 @@
-//! Acceptance traces with the draft's confidence, for `spade-core`'s `draft_control_sim`: the target's
-//! greedy output for each long benchmark prompt, then one teacher-forced pass of the draft model over it.
+//! Acceptance traces with the draft's confidence: the target's greedy output for each long benchmark
+//! prompt, then one teacher-forced pass of the draft model over it.
 //!
 //!   cargo run --release --example acceptance_trace -p spade-engine -- [MAX_TOKENS] > trace.txt
 //!
@@ -7,9 +7,10 @@
 //! where the draft's greedy token equals the target's (given the target's text before it) and `0` where
 //! not, a space, then the draft's confidence in its own token at each position
 //! (`spade_core::sampling::confidence`: its softmax probability), comma-separated. Under greedy decoding
-//! this is what every round of any draft length meets, so the simulator can replay blocks that end on the
-//! draft's confidence. The draft's logits come from the scorer (candle) on the draft's GGUF rather than
-//! from mistral.rs, so a confidence may differ from the gateway's in its last digits.
+//! this is what every round of any draft length meets, so a trace shows what blocks of any length, or
+//! ending on the draft's confidence, would meet. The draft's logits come from the scorer (candle) on the
+//! draft's GGUF rather than from mistral.rs, so a confidence may differ from the gateway's in its last
+//! digits.
 //!
 //! Models come from scripts/fetch-models.sh (SPADE_MODELS_DIR overrides models/).
 

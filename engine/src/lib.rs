@@ -16,6 +16,7 @@ pub mod drafter;
 mod drafting;
 mod error;
 pub mod gguf;
+mod in_process;
 pub mod round;
 pub mod scorer;
 pub mod speculative;
@@ -187,8 +188,8 @@ const TIMING_SWEEPS: usize = 3;
 /// the same context with logits for every row, as a verify call's block is scored: entry `i` for
 /// `i + 1` rows. The sizes are timed in [`TIMING_SWEEPS`] sweeps, each size's fastest pass kept, since
 /// another process can only slow a pass: timing each size's passes one after another let one slow
-/// stretch of a shared host land on one or two sizes, and 4 rows came out faster than 3 (benchmark
-/// quick-dec3-turns), which no later pass of those sizes corrected.
+/// stretch of a shared host land on one or two sizes, and 4 rows came out faster than 3, which no
+/// later pass of those sizes corrected.
 /// A model with a short context times fewer sizes, after a shorter context.
 pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time::Duration>, EngineError> {
     let (vocab, max_context) = (scorer.meta().vocab_size.clamp(1, 30_000), scorer.meta().max_context as usize);

@@ -8,15 +8,14 @@
 
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::{BlockKind, DraftChoice};
-use spade_core::grammar::{Grammar, GrammarState};
+use spade_core::draft_control::{BlockKind, DraftChoice, RoundRecord};
 use spade_core::protocol::TokenLogprob;
-use spade_core::{DraftToken, Penalties, SamplingParams};
+use spade_core::DraftToken;
 
 pub use crate::drafting::DraftLength;
 use crate::drafting::{observation, Block, Drafted, Pacing};
-use crate::round::{Round, TargetRule};
-use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
+pub use crate::in_process::{generate, Collect, GenerateParams, Generation, LocalVerifier};
+use crate::{DraftParams, Drafter, EngineError};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
 #[async_trait::async_trait]
@@ -194,7 +193,7 @@ pub async fn run(
             Some(block) => block.complete().await?,
             None => Drafted::default(),
         };
-        let (drafts, timing) = (&drafted.tokens, drafted.timing);
+        let drafts = &drafted.tokens;
         // A pre-drafted block counts as used when it sends drafts (an `auto` length of 0 sends none).
         state.stats.ahead_used += usize::from(from_ahead && !drafts.is_empty());
         state.stats.draft_time += round_started.elapsed();
@@ -263,36 +262,29 @@ pub async fn run(
         }
         // The first call prefills the prompt: its time says nothing about a block's cost per round,
         // nor does the start of the block drafted ahead during it (~1 s of the draft's prompt here).
+        let mut round = observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched);
+        if start_includes_prompt {
+            round.draft_start = Duration::ZERO;
+        }
         if !first_call {
-            let mut round = observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched);
-            if start_includes_prompt {
-                round.draft_start = Duration::ZERO;
-            }
             pacing.observe(&round);
         } else if let Some(verifier_time) = verified.verifier_time {
             pacing.observe_link(latency, verifier_time);
         }
-        // One line per round (`--log spade_engine=debug`): what auto chose, on which cost model, and what came of it.
-        let model = pacing.choice();
-        tracing::debug!(
-            chosen,
-            cap = d,
-            model_draft_ahead = model.as_ref().map(|c| c.draft_ahead),
+        // One record per round (`--log spade_engine=debug`; the form: `RoundRecord`'s docs): what was
+        // chosen, on which cost model, and what came of it, as the draft-length controller was fed it.
+        let record = RoundRecord {
             first_call,
-            model_verify_a_ms = model.as_ref().map(|c| (c.verify_a_s * 1e3).round()),
-            model_verify_b_ms = model.as_ref().map(|c| (c.verify_b_s * 1e3).round()),
-            model_alpha0 = model.as_ref().and_then(|c| c.alpha.first().map(|a| (a * 100.0).round() / 100.0)),
-            model_acceptance = model.as_ref().map(|c| (c.acceptance * 100.0).round() / 100.0),
-            drafted = drafts.len(),
-            accepted = verified.accepted,
             from_ahead,
-            guess_matched,
-            draft_start_ms = timing.start.as_millis() as u64,
-            draft_step_ms = timing.step.as_millis() as u64,
-            call_ms = latency.as_millis() as u64,
-            verifier_ms = verified.verifier_time.unwrap_or_default().as_millis() as u64,
-            "round"
-        );
+            draft_ahead: params.draft_ahead,
+            max_draft: params.draft_len.max(),
+            remaining,
+            chosen,
+            cap: d,
+            model: pacing.choice(),
+            ..RoundRecord::from_observation(&round)
+        };
+        tracing::debug!(target: RoundRecord::LOG_TARGET, round = %record);
         if let Some(finish) = state.commit_block(drafts, &verified).await? {
             return Ok(state.end(finish, &pacing));
         }
@@ -390,274 +382,5 @@ impl Loop<'_> {
     }
 }
 
-/// Verifies in-process: one scorer session, the rule applied by [`Round::verify`] (the same code the
-/// verifier server runs).
-pub struct LocalVerifier<'a> {
-    pub session: &'a mut dyn ScoreSession,
-    pub rule: TargetRule,
-    pub grammar: Option<GrammarState>,
-    pub seed: u64,
-    pub top_logprobs: Option<usize>,
-}
-
-#[async_trait::async_trait]
-impl BlockVerifier for LocalVerifier<'_> {
-    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
-        let rejected = |e: EngineError| VerifyFailure::Rejected(e.to_string());
-        if let Some(grammar) = &mut self.grammar {
-            grammar.sync(context).map_err(|e| rejected(e.into()))?;
-        }
-        let round = Round { context, drafts, rule: &self.rule, grammar: self.grammar.as_mut(), seed: self.seed, top_logprobs: self.top_logprobs };
-        let round = round.verify(self.session).map_err(rejected)?;
-        Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
-    }
-}
-
-/// Collects the committed tokens.
-#[derive(Debug, Default)]
-pub struct Collect(pub Vec<u32>);
-
-#[async_trait::async_trait]
-impl TokenSink for Collect {
-    async fn commit(&mut self, token: u32, _: Option<&TokenLogprob>) -> Result<Flow, EngineError> {
-        self.0.push(token);
-        Ok(Flow::Continue)
-    }
-}
-
-/// In-process generation parameters: the target's sampling defines the output distribution.
-#[derive(Debug, Clone)]
-pub struct GenerateParams {
-    pub max_new_tokens: usize,
-    pub draft_len: usize,
-    pub draft_ahead: bool,
-    pub sampling: SamplingParams,
-    pub draft_sampling: SamplingParams,
-    /// Applied to both the target's and the draft's logits.
-    pub penalties: Option<Penalties>,
-    /// Constrains the output (everything after the prompt); masks both p and q.
-    pub grammar: Option<Grammar>,
-    pub seed: u64,
-    pub stop_token_ids: Vec<u32>,
-}
-
-#[derive(Debug, Clone)]
-pub struct Generation {
-    pub tokens: Vec<u32>,
-    pub finish: Finish,
-    pub stats: LoopStats,
-}
-
-/// The loop in-process, on a fresh draft cache (so that a seeded run reproduces).
-pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSession, prompt: &[u32], params: &GenerateParams) -> Result<Generation, LoopError> {
-    params.sampling.validate().map_err(EngineError::from)?;
-    if let Some(drafter) = drafter {
-        drafter.begin_generation(true).await;
-    }
-    let loop_params = LoopParams {
-        max_new_tokens: params.max_new_tokens,
-        draft_len: DraftLength::Fixed(params.draft_len),
-        draft_ahead: params.draft_ahead,
-        draft: DraftParams {
-            sampling: params.draft_sampling,
-            penalties: params.penalties.clone(),
-            grammar: params.grammar.as_ref().map(|g| SharedGrammar::new(g.start_at(prompt.len()))),
-            seed: params.seed,
-        },
-        stop_token_ids: params.stop_token_ids.clone(),
-        when_unreachable: WhenUnreachable::Fail,
-        start_degraded: false,
-    };
-    let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
-    let grammar = params.grammar.as_ref().map(|g| g.start_at(prompt.len()));
-    let mut verifier = LocalVerifier { session: target, rule, grammar, seed: params.seed, top_logprobs: None };
-    let mut tokens = Collect::default();
-    let end = run(drafter, &mut verifier, prompt, &loop_params, &mut tokens).await;
-    if let Some(drafter) = drafter {
-        drafter.end_generation();
-    }
-    let end = end?;
-    Ok(Generation { tokens: tokens.0, finish: end.finish, stats: end.stats })
-}
-
 #[cfg(test)]
-mod tests {
-    //! The loop's own control flow, with a scripted drafter and verifier (model behaviour is covered by
-    //! the real-model tests in tests/).
-    use super::*;
-    use crate::ModelMeta;
-    use spade_core::SparseDist;
-
-    /// Proposes ascending ids from the context length on: drafts at position i are always `i`.
-    struct Counting(ModelMeta);
-
-    #[async_trait::async_trait]
-    impl Drafter for Counting {
-        fn meta(&self) -> &ModelMeta {
-            &self.0
-        }
-        async fn draft(&self, committed: &[u32], n: usize, _: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
-            let start = committed.len() as u32;
-            Ok((start..start + n as u32).map(|t| DraftToken { token: t, q: SparseDist::new(vec![(t, 1.0)], None).unwrap() }).collect())
-        }
-    }
-
-    /// Accepts `accept` drafts per block and commits position + `offset` as the next token (an offset
-    /// of 0 agrees with [`Counting`]); fails every call after the first `ok_calls`.
-    struct Scripted {
-        accept: usize,
-        offset: u32,
-        ok_calls: usize,
-        calls: usize,
-        blocks: Vec<usize>,
-    }
-
-    fn scripted(accept: usize, ok_calls: usize) -> Scripted {
-        Scripted { accept, offset: 1000, ok_calls, calls: 0, blocks: Vec::new() }
-    }
-
-    #[async_trait::async_trait]
-    impl BlockVerifier for Scripted {
-        async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
-            self.calls += 1;
-            if self.calls > self.ok_calls {
-                return Err(VerifyFailure::Unreachable("down".into()));
-            }
-            self.blocks.push(drafts.len());
-            let accepted = self.accept.min(drafts.len());
-            let mut committed: Vec<u32> = drafts[..accepted].iter().map(|d| d.token).collect();
-            committed.push((context.len() + accepted) as u32 + self.offset);
-            Ok(Verified { accepted, committed, logprobs: Vec::new(), verifier_time: None })
-        }
-    }
-
-    fn meta() -> ModelMeta {
-        ModelMeta {
-            name: "counting".into(),
-            architecture: "test".into(),
-            vocab_size: 5000,
-            stop_token_ids: vec![4999],
-            tokenizer_fingerprint: String::new(),
-            text_tokens: 5000,
-            max_context: 4096,
-            chat_template: None,
-        }
-    }
-
-    fn params(max_new_tokens: usize, draft_len: usize, when_unreachable: WhenUnreachable) -> LoopParams {
-        let draft = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
-        LoopParams {
-            max_new_tokens,
-            draft_len: DraftLength::Fixed(draft_len),
-            draft_ahead: false,
-            draft,
-            stop_token_ids: vec![4999],
-            when_unreachable,
-            start_degraded: false,
-        }
-    }
-
-    #[tokio::test]
-    async fn the_first_block_is_empty_and_no_block_drafts_past_the_budget() {
-        let drafter = Counting(meta());
-        let mut verifier = scripted(10, usize::MAX);
-        let mut out = Collect::default();
-        let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params(10, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
-        assert_eq!(end.finish, Finish::Length);
-        assert_eq!(out.0.len(), 10);
-        // 1 (empty block) + 5 (4 drafts + bonus) + 4 (3 drafts, the budget's last token as bonus).
-        assert_eq!(verifier.blocks, vec![0, 4, 3]);
-        assert_eq!(end.stats.committed, 10);
-        assert_eq!((end.stats.drafted, end.stats.accepted, end.stats.target_calls), (7, 7, 3));
-    }
-
-    #[tokio::test]
-    async fn an_unreachable_verifier_fails_or_hands_over_to_the_draft() {
-        let drafter = Counting(meta());
-        let mut verifier = scripted(0, 2);
-        let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::Fail), &mut Collect::default()).await;
-        assert!(matches!(end, Err(LoopError::Verifier(VerifyFailure::Unreachable(_)))));
-
-        let mut verifier = scripted(0, 2);
-        let mut out = Collect::default();
-        let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::DraftAlone), &mut out).await.unwrap();
-        assert!(end.stats.degraded);
-        assert_eq!((end.finish, out.0.len(), end.stats.target_calls), (Finish::Length, 40, 2));
-        // After the two verified tokens, the draft's own tokens: position i drafts i.
-        assert_eq!(out.0[2..6], [3, 4, 5, 6]);
-    }
-
-    #[tokio::test]
-    async fn a_stop_token_ends_the_generation() {
-        let drafter = Counting(meta());
-        let mut verifier = scripted(10, usize::MAX);
-        let mut out = Collect::default();
-        // Position 4999 drafts the stop token 4999.
-        let prompt: Vec<u32> = (0..4990).collect();
-        let end = run(Some(&drafter), &mut verifier, &prompt, &params(100, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
-        assert_eq!(end.finish, Finish::StopToken);
-        assert_eq!(out.0.last(), Some(&4999));
-    }
-
-    /// Drafting ahead changes which blocks are drafted when, never what is committed: a block drafted
-    /// ahead is sent only when the verifier confirmed the prefix it was drafted on.
-    #[tokio::test]
-    async fn draft_ahead_sends_only_confirmed_blocks_and_commits_the_same_tokens() {
-        let drafter = Counting(meta());
-        // (accepted per block, bonus offset, every block drafted ahead should be used): with one
-        // accepted of four, only the block after the empty first one (all of its zero drafts accepted).
-        for (accept, offset, used) in [(10, 0, true), (10, 1000, false), (1, 0, false)] {
-            let run_with = |ahead: bool| {
-                let drafter = &drafter;
-                async move {
-                    let mut verifier = Scripted { offset, ..scripted(accept, usize::MAX) };
-                    let mut out = Collect::default();
-                    let params = LoopParams { draft_ahead: ahead, ..params(30, 4, WhenUnreachable::Fail) };
-                    let end = run(Some(drafter), &mut verifier, &[1, 2, 3], &params, &mut out).await.unwrap();
-                    (out.0, verifier.blocks, end.stats)
-                }
-            };
-            let (plain, plain_blocks, plain_stats) = run_with(false).await;
-            let (ahead, ahead_blocks, stats) = run_with(true).await;
-            assert_eq!(ahead, plain, "accept {accept}, offset {offset}");
-            assert_eq!(ahead_blocks, plain_blocks, "accept {accept}, offset {offset}");
-            assert_eq!((plain_stats.ahead_drafted, plain_stats.ahead_used), (0, 0));
-            assert!(stats.ahead_drafted > 0);
-            // Every block after the first was drafted ahead when the verifier agrees; none otherwise.
-            let expected_used = match (used, offset) {
-                (true, _) => stats.target_calls - 1,
-                (false, 0) => 1,
-                (false, _) => 0,
-            };
-            assert_eq!(stats.ahead_used, expected_used, "accept {accept}, offset {offset}: {stats:?}");
-        }
-    }
-
-    /// [`Counting`] on a drafter that other generations keep busy.
-    struct Crowded(Counting);
-
-    #[async_trait::async_trait]
-    impl Drafter for Crowded {
-        fn meta(&self) -> &ModelMeta {
-            self.0.meta()
-        }
-        async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
-            self.0.draft(committed, n, params).await
-        }
-        fn others_drafting(&self) -> bool {
-            true
-        }
-    }
-
-    #[tokio::test]
-    async fn no_drafting_ahead_while_other_generations_draft() {
-        let params = LoopParams { draft_ahead: true, ..params(30, 4, WhenUnreachable::Fail) };
-        let (mut alone, mut crowded) = (scripted(10, usize::MAX), scripted(10, usize::MAX));
-        let (mut alone_out, mut crowded_out) = (Collect::default(), Collect::default());
-        let alone_end = run(Some(&Counting(meta())), &mut alone, &[1, 2, 3], &params, &mut alone_out).await.unwrap();
-        let crowded_end = run(Some(&Crowded(Counting(meta()))), &mut crowded, &[1, 2, 3], &params, &mut crowded_out).await.unwrap();
-        assert!(alone_end.stats.ahead_drafted > 0);
-        assert_eq!(crowded_end.stats.ahead_drafted, 0);
-        assert_eq!((crowded_out.0, crowded.blocks), (alone_out.0, alone.blocks));
-    }
-}
+mod tests;

@@ -1,0 +1,212 @@
+//! One generation's draft-length controller ([`DraftController`]): chooses the lengths each round from
+//! its own copy of the estimates, probes at length 0, and learns from every round.
+
+use std::time::Duration;
+
+use super::block_end::BlockEnd;
+use super::estimates::{Estimates, RoundObservation};
+use super::policy::DraftChoice;
+use super::round_model::{BlockKind, Policy};
+
+/// Rounds of length 0 per probe (see the `draft_control` docs): each probe drafts while the verifier computes, which
+/// costs nothing on separate machines but slows a verifier sharing the host's memory by a few percent.
+const PROBE_EVERY: u32 = 4;
+/// Every round of length 0 probes until the first draft position has this many outcomes: a fresh
+/// gateway's acceptance is its prior (0.7), which at a low RTT chooses 0, and probing only every
+/// [`PROBE_EVERY`]th round kept a text the draft predicts well at 0 for a dozen rounds.
+const LEARNING_OUTCOMES: u32 = 4;
+
+/// One generation's draft-length controller: call [`choose`](Self::choose) before each block,
+/// [`keep_drafting`](Self::keep_drafting) after each drafted token, [`observe`](Self::observe) after the call.
+#[derive(Clone, Debug)]
+pub struct DraftController {
+    pub(super) max_draft: usize,
+    pub(super) overlap: bool,
+    pub(super) estimates: Estimates,
+    /// The lengths chosen last, on the optimistic view of the estimates.
+    pub(super) policy: Policy,
+    /// The kind of block chosen last.
+    pub(super) kind: BlockKind,
+    pub(super) choice: DraftChoice,
+    /// Rounds of length 0 since the last probe.
+    pub(super) unprobed: u32,
+    pub(super) block_end: BlockEnd,
+}
+
+impl DraftController {
+    /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the
+    /// gateway-wide estimates (their acceptance rates count as at most [`SEED_OUTCOMES`](super::estimates::SEED_OUTCOMES) outcomes here).
+    pub fn new(max_draft: usize, overlap: bool, mut seed: Estimates) -> Self {
+        for rate in seed.alpha.iter_mut().chain([&mut seed.pooled, &mut seed.beta, &mut seed.any_confidence]).chain(seed.by_confidence.iter_mut()) {
+            *rate = rate.as_seed();
+        }
+        Self::with_estimates(max_draft, overlap, seed)
+    }
+
+    /// A controller that starts from `estimates` as they are, as a generation's own.
+    pub(super) fn with_estimates(max_draft: usize, overlap: bool, estimates: Estimates) -> Self {
+        let view = estimates.optimistic();
+        let policy = view.best(max_draft, overlap, None);
+        let choice = view.choice_of(&policy, BlockKind::Serial, max_draft, estimates.acceptance());
+        Self { max_draft, overlap, estimates, policy, kind: BlockKind::Serial, choice, unprobed: 0, block_end: BlockEnd::default() }
+    }
+
+    /// Where blocks end ([`BlockEnd::Confidence`] unless set).
+    pub fn with_block_end(self, block_end: BlockEnd) -> Self {
+        Self { block_end, ..self }
+    }
+
+    /// Chooses the lengths from the current estimates (keeping the last ones while they are as fast) and
+    /// returns the length of the next block, of `kind`.
+    pub fn choose(&mut self, kind: BlockKind) -> usize {
+        let previous = (self.policy.serial.drafted, self.policy.ahead.drafted);
+        let view = self.estimates.optimistic();
+        self.policy = view.best(self.max_draft, self.overlap, Some(previous));
+        self.kind = kind;
+        self.choice = view.choice_of(&self.policy, kind, self.max_draft, self.estimates.acceptance());
+        self.choice.draft
+    }
+
+    /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
+    /// every one while the first position's acceptance has fewer than [`LEARNING_OUTCOMES`] outcomes.
+    pub fn probe(&mut self) -> bool {
+        self.unprobed += 1;
+        let learning = self.estimates.alpha.first().is_none_or(|rate| rate.outcomes < LEARNING_OUTCOMES);
+        let due = learning || self.unprobed >= PROBE_EVERY;
+        if due {
+            self.unprobed = 0;
+        }
+        due
+    }
+
+    /// Learns from the round just verified (feed the gateway-wide [`Estimates::observe`] the same observation).
+    pub fn observe(&mut self, round: &RoundObservation) {
+        self.estimates.observe(round);
+    }
+
+    /// Learns the link from a call that is not a round ([`Estimates::observe_link`]).
+    pub fn observe_link(&mut self, call_latency: Duration, verifier_time: Duration) {
+        self.estimates.observe_link(call_latency, verifier_time);
+    }
+
+    /// The last choice and its inputs.
+    pub fn choice(&self) -> DraftChoice {
+        self.choice.clone()
+    }
+
+    pub fn estimates(&self) -> &Estimates {
+        &self.estimates
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    use super::*;
+    use crate::draft_control::block_end::BlockOdds;
+    use crate::draft_control::policy::RATE_TOLERANCE;
+    use crate::draft_control::testing::{close, est};
+    use crate::draft_control::MAX_POSITIONS;
+
+    /// A simulated round against a world with flat acceptance 0.8, 30 ms draft steps and V = 100 ms + 10 ms * rows.
+    fn simulate(rng: &mut ChaCha8Rng, d: usize, rtt_s: f64) -> RoundObservation {
+        let accepted = (0..d).take_while(|_| rng.random_bool(0.8)).count();
+        let verifier_s = 0.1 + 0.01 * (d + 1) as f64;
+        // The guess is the draft's token for position d: accepted like any other (greedy decoding).
+        let ahead_guess = (d > 0 && accepted == d).then(|| rng.random_bool(0.8));
+        RoundObservation {
+            drafted: d,
+            accepted,
+            confidences: vec![0.8; d],
+            draft_step: Duration::from_secs_f64(if d > 0 { 0.03 } else { 0.0 }),
+            draft_start: Duration::from_secs_f64(if d > 0 { 0.01 } else { 0.0 }),
+            call_latency: Duration::from_secs_f64(rtt_s + verifier_s),
+            verifier_time: Some(Duration::from_secs_f64(verifier_s)),
+            ahead_guess,
+        }
+    }
+
+    #[test]
+    fn estimates_track_a_round_trip_jump_within_ten_rounds() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let mut ctl = DraftController::new(16, true, Estimates::default());
+        for _ in 0..30 {
+            let d = ctl.choose(BlockKind::Serial);
+            ctl.observe(&simulate(&mut rng, d, 0.020));
+        }
+        let at = |e: &Estimates, rtt_s: f64| DraftController::new(16, true, Estimates { rtt_s, ..e.clone() }).choose(BlockKind::Serial);
+        let before = ctl.choose(BlockKind::Serial);
+        assert!((ctl.estimates().rtt_s - 0.020).abs() < 0.002, "{:?}", ctl.estimates());
+        for _ in 0..10 {
+            let d = ctl.choose(BlockKind::Serial);
+            ctl.observe(&simulate(&mut rng, d, 0.150));
+        }
+        let e = ctl.estimates().clone();
+        assert!((e.rtt_s - 0.150).abs() < 0.2 * 0.150, "{e:?}");
+        let (want, want_before) = (at(&e, 0.150), at(&e, 0.020));
+        // What the new RTT makes fastest, or a length kept because it is as fast (within the tolerance).
+        let (chosen, rate) = (ctl.choose(BlockKind::Serial), |d: usize| e.expected_tokens(d) / e.round_time(d, true));
+        assert!(chosen == want || rate(chosen) >= (1.0 - RATE_TOLERANCE) * rate(want), "{chosen} vs {want}");
+        assert!(want >= want_before && want > before, "{chosen}, {want} vs {want_before} / {before}");
+    }
+
+    #[test]
+    fn probes_at_length_zero_bring_drafting_back_when_guesses_match() {
+        let mut ctl = DraftController::new(8, true, est(0.1, 15.0, 100.0, 20.0, 45.0));
+        assert_eq!(ctl.choose(BlockKind::Serial), 0);
+        // A fresh gateway probes every round until the first position has a few outcomes.
+        assert!((0..LEARNING_OUTCOMES).all(|_| ctl.probe()));
+        let probe = |matched| RoundObservation { ahead_guess: Some(matched), ..Default::default() };
+        let rounds = (0..30).take_while(|_| {
+            ctl.observe(&probe(true));
+            ctl.choose(BlockKind::Serial) == 0 && ctl.choice().draft_ahead == 0
+        });
+        assert!(rounds.count() < 15, "{:?}", ctl.estimates());
+        // Misses drive it back to 0; a probe that drafted nothing is no evidence about later positions.
+        for _ in 0..30 {
+            ctl.observe(&probe(false));
+        }
+        // (Drafting ahead may be kept a while where it is about as fast as none.)
+        assert_eq!(ctl.choose(BlockKind::Serial), 0, "{:?}", ctl.estimates());
+        let fresh = DraftController::with_estimates(8, true, ctl.estimates().clone()).choice();
+        assert_eq!((fresh.draft, fresh.draft_ahead), (0, 0), "{:?}", ctl.estimates());
+        assert!(ctl.estimates().alpha.len() == 1 && ctl.estimates().alpha(0) < 0.1, "{:?}", ctl.estimates());
+        assert_eq!((0..4 * PROBE_EVERY).filter(|_| ctl.probe()).count(), 4);
+        // After a fully accepted block, the guess is an outcome of the next position.
+        let mut e = est(0.5, 15.0, 100.0, 20.0, 45.0);
+        e.observe(&RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() });
+        assert!(e.alpha.len() == 3 && e.alpha(2) > e.alpha(1) && e.alpha(1) > e.alpha(0) && e.alpha(0) > 0.5, "{e:?}");
+    }
+
+    #[test]
+    fn degenerate_observations_neither_panic_nor_poison_the_estimates() {
+        let mut ctl = DraftController::new(usize::MAX, true, Estimates::default());
+        let rounds = [
+            RoundObservation::default(),
+            RoundObservation { drafted: 2, accepted: 9, confidences: vec![f32::NAN, f32::INFINITY, -1.0], ahead_guess: Some(true), ..Default::default() },
+            RoundObservation {
+                drafted: usize::MAX,
+                accepted: usize::MAX,
+                call_latency: Duration::MAX,
+                verifier_time: Some(Duration::ZERO),
+                ..Default::default()
+            },
+            RoundObservation { drafted: 1, call_latency: Duration::from_millis(5), verifier_time: Some(Duration::from_secs(1)), ..Default::default() },
+        ];
+        for round in &rounds {
+            ctl.observe(round);
+            let d = ctl.choose(BlockKind::Serial);
+            assert!(d <= MAX_POSITIONS);
+            let mut block = BlockOdds::default();
+            let _ = (ctl.keep_drafting(&mut block, f32::NAN), ctl.keep_drafting(&mut block, 2.0), ctl.keep_drafting(&mut block, -3.0));
+            let c = ctl.choice();
+            assert!(c.tokens_per_s.is_finite() && c.round_time_s > 0.0 && c.alpha.iter().all(|a| (0.0..=1.0).contains(a)), "{c:?}");
+        }
+        let e = ctl.estimates();
+        // The absurd latency was ignored and the last sample (latency < verifier time) clamped at 0; the first
+        // sample replaces the 10 ms prior.
+        assert!(close(e.rtt_s, 0.0) && close(e.t_draft_s, 0.030), "{:?}", (e.rtt_s, e.t_draft_s));
+    }
+}
