@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reliability and security run (issue 7): the real binaries on loopback with the tiny model.
-#  1. gateway/tests/reliability.rs and e2e.rs, including the ignored 500-request soak;
+#  1. gateway/tests/reliability.rs, reliability_faults.rs and e2e.rs, including the ignored 500-request soak;
 #  2. schemathesis fuzzing of both servers from their OpenAPI documents, bounded in time;
 #  3. reliability/REPORT.md: every case with what was observed.
 # Takes ~15-25 minutes on 2 cores. CI runs the same tests minus the soak and the fuzzing.
@@ -25,7 +25,7 @@ t0=$(date +%s)
 
 echo "reliability: cargo tests (with the soak)"
 export SPADE_RELIABILITY_REPORT="$work/cases.jsonl"
-cargo test -p spade-gateway --locked --test reliability --test e2e -- --include-ignored --test-threads 1 >"$work/tests.log" 2>&1
+cargo test -p spade-gateway --locked --test reliability --test reliability_faults --test e2e -- --include-ignored --test-threads 1 >"$work/tests.log" 2>&1
 tests_rc=$?
 grep -E "^test result|FAILED|panicked" "$work/tests.log" | head -20
 

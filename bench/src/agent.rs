@@ -102,14 +102,23 @@ const STACK_START_S: f64 = 16.0;
 impl AgentPlan {
     /// Refuses plans that cannot run: no modes or RTTs, 0 turns or more than the conversation has,
     /// 0 tokens per turn, no target-only baseline.
-    pub fn new(modes: Vec<AgentMode>, mut rtts_ms: Vec<u64>, turns: usize, max_tokens: u32, conversation: &Conversation) -> Result<Self, String> {
+    pub fn new(
+        modes: Vec<AgentMode>,
+        mut rtts_ms: Vec<u64>,
+        turns: usize,
+        max_tokens: u32,
+        conversation: &Conversation,
+    ) -> Result<Self, String> {
         rtts_ms.sort_unstable();
         rtts_ms.dedup();
         if rtts_ms.is_empty() {
             return Err("--rtts: at least one RTT".into());
         }
         if turns == 0 || turns > conversation.turns.len() {
-            return Err(format!("--turns must be 1..={} (the conversation's user turns)", conversation.turns.len()));
+            return Err(format!(
+                "--turns must be 1..={} (the conversation's user turns)",
+                conversation.turns.len()
+            ));
         }
         if max_tokens == 0 {
             return Err("--max-tokens must be at least 1".into());
@@ -125,7 +134,9 @@ impl AgentPlan {
     /// cache a turn prefills what is new since the last one, and speculative's draft model likewise
     /// before it.
     pub fn estimate_seconds(&self, conversation: &Conversation) -> f64 {
-        let prompts: Vec<f64> = (0..self.turns).map(|t| conversation.approx_prompt_tokens(t, self.max_tokens) as f64).collect();
+        let prompts: Vec<f64> = (0..self.turns)
+            .map(|t| conversation.approx_prompt_tokens(t, self.max_tokens) as f64)
+            .collect();
         let answer = f64::from(self.max_tokens);
         let mut total = 0.0;
         for &rtt_ms in &self.rtts_ms {
@@ -133,10 +144,13 @@ impl AgentPlan {
             for &mode in &self.modes {
                 total += STACK_START_S;
                 for (t, &prompt) in prompts.iter().enumerate() {
-                    let new = if mode.prefix_cache() && t > 0 { prompt - prompts[t - 1] } else { prompt };
+                    let new =
+                        if mode.prefix_cache() && t > 0 { prompt - prompts[t - 1] } else { prompt };
                     total += match mode {
                         AgentMode::Speculative => {
-                            new / DRAFT_PREFILL_TOK_S + new / TARGET_PREFILL_TOK_S + answer * (SPECULATIVE_TOKEN_S + rtt_s / TOKENS_PER_VERIFY_CALL)
+                            new / DRAFT_PREFILL_TOK_S
+                                + new / TARGET_PREFILL_TOK_S
+                                + answer * (SPECULATIVE_TOKEN_S + rtt_s / TOKENS_PER_VERIFY_CALL)
                         }
                         _ => new / TARGET_PREFILL_TOK_S + answer * (TARGET_ONLY_TOKEN_S + rtt_s),
                     };
@@ -196,7 +210,8 @@ pub struct ModeTotals {
 
 /// The records of one mode at one RTT, in turn order.
 pub fn turns_of(records: &[TurnRecord], rtt_ms: u64, mode: AgentMode) -> Vec<&TurnRecord> {
-    let mut out: Vec<&TurnRecord> = records.iter().filter(|r| r.rtt_ms == rtt_ms && r.mode == mode).collect();
+    let mut out: Vec<&TurnRecord> =
+        records.iter().filter(|r| r.rtt_ms == rtt_ms && r.mode == mode).collect();
     out.sort_by_key(|r| r.turn);
     out
 }
@@ -228,22 +243,33 @@ pub fn ratio(a: f64, b: f64) -> Option<f64> {
 /// Whole-conversation comparison of `mode` with target-only at one RTT: target-only's total time
 /// over the mode's (how many times faster it is), and the mode's verifier CPU seconds over
 /// target-only's (its share of the cloud's cost). `None` unless both played the same turns.
-pub fn versus_target_only(records: &[TurnRecord], rtt_ms: u64, mode: AgentMode) -> (Option<f64>, Option<f64>) {
+pub fn versus_target_only(
+    records: &[TurnRecord],
+    rtt_ms: u64,
+    mode: AgentMode,
+) -> (Option<f64>, Option<f64>) {
     match (totals(records, rtt_ms, mode), totals(records, rtt_ms, AgentMode::TargetOnly)) {
-        (Some(m), Some(base)) if m.turns == base.turns => (ratio(base.total_s, m.total_s), ratio(m.verifier_cpu_s, base.verifier_cpu_s)),
+        (Some(m), Some(base)) if m.turns == base.turns => {
+            (ratio(base.total_s, m.total_s), ratio(m.verifier_cpu_s, base.verifier_cpu_s))
+        }
         _ => (None, None),
     }
 }
 
 /// Per turn at one RTT: whether `mode`'s answer equals target-only's (greedy decoding must be
 /// lossless, cache or not); `None` where either is missing.
-pub fn same_answers(records: &[TurnRecord], rtt_ms: u64, mode: AgentMode) -> Vec<(usize, Option<bool>)> {
+pub fn same_answers(
+    records: &[TurnRecord],
+    rtt_ms: u64,
+    mode: AgentMode,
+) -> Vec<(usize, Option<bool>)> {
     let base = turns_of(records, rtt_ms, AgentMode::TargetOnly);
     let other = turns_of(records, rtt_ms, mode);
     let last = base.iter().chain(&other).map(|r| r.turn).max().unwrap_or(0);
     (1..=last)
         .map(|turn| {
-            let text = |list: &[&TurnRecord]| list.iter().find(|r| r.turn == turn).map(|r| r.text.clone());
+            let text =
+                |list: &[&TurnRecord]| list.iter().find(|r| r.turn == turn).map(|r| r.text.clone());
             (turn, text(&base).zip(text(&other)).map(|(a, b)| a == b))
         })
         .collect()
@@ -251,7 +277,11 @@ pub fn same_answers(records: &[TurnRecord], rtt_ms: u64, mode: AgentMode) -> Vec
 
 /// Whether any mode's answer differs from target-only's anywhere in the run.
 pub fn any_answer_differs(records: &[TurnRecord], plan: &AgentPlan) -> bool {
-    plan.rtts_ms.iter().any(|&rtt| plan.modes.iter().any(|&m| same_answers(records, rtt, m).iter().any(|(_, same)| *same == Some(false))))
+    plan.rtts_ms.iter().any(|&rtt| {
+        plan.modes
+            .iter()
+            .any(|&m| same_answers(records, rtt, m).iter().any(|(_, same)| *same == Some(false)))
+    })
 }
 
 /// One of the goals the benchmark judges, as measured.
@@ -279,7 +309,9 @@ pub fn checks(records: &[TurnRecord], plan: &AgentPlan) -> Vec<Check> {
     for &rtt_ms in &plan.rtts_ms {
         let spec = turns_of(records, rtt_ms, AgentMode::Speculative);
         let later = spec.iter().filter(|r| r.turn >= 2);
-        let shares: Option<Vec<f64>> = later.map(|r| r.cached_tokens.map(|c| c as f64 / r.prompt_tokens.max(1) as f64)).collect();
+        let shares: Option<Vec<f64>> = later
+            .map(|r| r.cached_tokens.map(|c| c as f64 / r.prompt_tokens.max(1) as f64))
+            .collect();
         let (measured, pass) = match shares {
             _ if spec.len() < 2 => ("needs 2 turns".to_string(), None),
             None => ("cached_tokens not reported".to_string(), None),
@@ -288,7 +320,13 @@ pub fn checks(records: &[TurnRecord], plan: &AgentPlan) -> Vec<Check> {
                 (format!("lowest {:.1}%", 100.0 * lowest), Some(lowest >= MIN_CACHED_SHARE))
             }
         };
-        out.push(Check { name: "cached_tokens from turn 2 on", rtt_ms, measured, goal: ">= 90% of prompt tokens", pass });
+        out.push(Check {
+            name: "cached_tokens from turn 2 on",
+            rtt_ms,
+            measured,
+            goal: ">= 90% of prompt tokens",
+            pass,
+        });
 
         let growth = match (spec.first(), spec.last()) {
             (Some(first), Some(last)) if spec.len() >= 2 => ratio(last.ttft_s, first.ttft_s),
@@ -320,7 +358,10 @@ pub fn checks(records: &[TurnRecord], plan: &AgentPlan) -> Vec<Check> {
             pass: cpu_share.map(|s| s <= MAX_CPU_SHARE),
         });
 
-        let compared: Vec<Option<bool>> = same_answers(records, rtt_ms, AgentMode::Speculative).into_iter().map(|(_, s)| s).collect();
+        let compared: Vec<Option<bool>> = same_answers(records, rtt_ms, AgentMode::Speculative)
+            .into_iter()
+            .map(|(_, s)| s)
+            .collect();
         let differing = compared.iter().filter(|s| **s == Some(false)).count();
         let known = compared.iter().filter(|s| s.is_some()).count();
         out.push(Check {
@@ -333,7 +374,13 @@ pub fn checks(records: &[TurnRecord], plan: &AgentPlan) -> Vec<Check> {
     }
     if !plan.rtts_ms.contains(&SPEEDUP_RTT_MS) {
         let name = "whole conversation, target-only time / speculative";
-        out.push(Check { name, rtt_ms: SPEEDUP_RTT_MS, measured: "RTT 50 not in --rtts".into(), goal: ">= 3x", pass: None });
+        out.push(Check {
+            name,
+            rtt_ms: SPEEDUP_RTT_MS,
+            measured: "RTT 50 not in --rtts".into(),
+            goal: ">= 3x",
+            pass: None,
+        });
     }
     out
 }
@@ -343,7 +390,14 @@ mod tests {
     use super::*;
 
     /// A turn at RTT 50 ms; `times`: TTFT, total and verifier CPU seconds.
-    fn record(mode: AgentMode, turn: usize, prompt: u64, cached: Option<u64>, times: (f64, f64, f64), text: &str) -> TurnRecord {
+    fn record(
+        mode: AgentMode,
+        turn: usize,
+        prompt: u64,
+        cached: Option<u64>,
+        times: (f64, f64, f64),
+        text: &str,
+    ) -> TurnRecord {
         let (ttft_s, total_s, cpu_s) = times;
         TurnRecord {
             rtt_ms: 50,
@@ -376,7 +430,12 @@ mod tests {
     }
 
     fn plan(rtts_ms: Vec<u64>) -> AgentPlan {
-        AgentPlan { modes: vec![AgentMode::Speculative, AgentMode::TargetOnly], rtts_ms, turns: 2, max_tokens: 48 }
+        AgentPlan {
+            modes: vec![AgentMode::Speculative, AgentMode::TargetOnly],
+            rtts_ms,
+            turns: 2,
+            max_tokens: 48,
+        }
     }
 
     #[test]
@@ -384,16 +443,26 @@ mod tests {
         assert_eq!(AgentMode::Speculative.gateway_args(), ["--draft-len", "auto"]);
         assert_eq!(AgentMode::TargetOnly.gateway_args(), ["--draft-len", "0"]);
         assert_eq!(AgentMode::TargetOnlyCached.gateway_args(), ["--draft-len", "0"]);
-        assert!(AgentMode::Speculative.prefix_cache() && AgentMode::TargetOnlyCached.prefix_cache() && !AgentMode::TargetOnly.prefix_cache());
+        assert!(
+            AgentMode::Speculative.prefix_cache()
+                && AgentMode::TargetOnlyCached.prefix_cache()
+                && !AgentMode::TargetOnly.prefix_cache()
+        );
         assert_eq!(AgentMode::TargetOnlyCached.to_string(), "target-only-cached");
-        assert_eq!(serde_json::to_value(AgentMode::TargetOnlyCached).unwrap(), "target-only-cached");
+        assert_eq!(
+            serde_json::to_value(AgentMode::TargetOnlyCached).unwrap(),
+            "target-only-cached"
+        );
     }
 
     #[test]
     fn totals_sum_a_conversation_and_refuse_partial_sums() {
         let mut records = run();
         let spec = totals(&records, 50, AgentMode::Speculative).unwrap();
-        assert_eq!((spec.turns, spec.total_s, spec.verifier_cpu_s, spec.prompt_tokens, spec.cached_tokens), (2, 20.0, 16.0, 2200, Some(1100)));
+        assert_eq!(
+            (spec.turns, spec.total_s, spec.verifier_cpu_s, spec.prompt_tokens, spec.cached_tokens),
+            (2, 20.0, 16.0, 2200, Some(1100))
+        );
         assert_eq!(spec.verifier_prompt_computed, None);
         assert!(totals(&records, 0, AgentMode::Speculative).is_none());
         records[3].cached_tokens = None;
@@ -407,7 +476,10 @@ mod tests {
         assert_eq!(cpu, Some(16.0 / 80.0));
         assert_eq!(ratio(1.0, 0.0), None);
         // A conversation cut short in one mode is not compared with a whole one.
-        let short: Vec<TurnRecord> = run().into_iter().filter(|r| !(r.mode == AgentMode::Speculative && r.turn == 2)).collect();
+        let short: Vec<TurnRecord> = run()
+            .into_iter()
+            .filter(|r| !(r.mode == AgentMode::Speculative && r.turn == 2))
+            .collect();
         assert_eq!(versus_target_only(&short, 50, AgentMode::Speculative), (None, None));
         assert_eq!(versus_target_only(&run(), 50, AgentMode::TargetOnly), (Some(1.0), Some(1.0)));
     }
@@ -431,12 +503,16 @@ mod tests {
         records[3].ttft_s = 20.0; // 2x the first turn's
         records[3].text = "c".into();
         let checks = checks(&records, &plan(vec![0, 50]));
-        let at50: Vec<Option<bool>> = checks.iter().filter(|c| c.rtt_ms == 50).map(|c| c.pass).collect();
+        let at50: Vec<Option<bool>> =
+            checks.iter().filter(|c| c.rtt_ms == 50).map(|c| c.pass).collect();
         assert_eq!(at50, [Some(false), Some(false), Some(true), Some(true), Some(false)]);
         // RTT 0 was planned but not measured: nothing passes or fails there.
         assert!(checks.iter().filter(|c| c.rtt_ms == 0).all(|c| c.pass.is_none()), "{checks:#?}");
         records[3].cached_tokens = None;
-        assert_eq!(super::checks(&records, &plan(vec![50]))[0].measured, "cached_tokens not reported");
+        assert_eq!(
+            super::checks(&records, &plan(vec![50]))[0].measured,
+            "cached_tokens not reported"
+        );
         // Without RTT 50 the speed-up goal is listed as not measured.
         let without = super::checks(&run(), &plan(vec![0]));
         assert_eq!(without.last().map(|c| (c.rtt_ms, c.pass)), Some((50, None)));
@@ -445,10 +521,16 @@ mod tests {
     #[test]
     fn answers_are_compared_turn_by_turn() {
         let mut records = run();
-        assert_eq!(same_answers(&records, 50, AgentMode::Speculative), [(1, Some(true)), (2, Some(true))]);
+        assert_eq!(
+            same_answers(&records, 50, AgentMode::Speculative),
+            [(1, Some(true)), (2, Some(true))]
+        );
         assert!(!any_answer_differs(&records, &plan(vec![50])));
         records[2].text = "other".into();
-        assert_eq!(same_answers(&records, 50, AgentMode::Speculative), [(1, Some(false)), (2, Some(true))]);
+        assert_eq!(
+            same_answers(&records, 50, AgentMode::Speculative),
+            [(1, Some(false)), (2, Some(true))]
+        );
         assert!(any_answer_differs(&records, &plan(vec![50])));
         records.pop();
         assert_eq!(same_answers(&records, 50, AgentMode::Speculative)[1], (2, None));
@@ -461,12 +543,22 @@ mod tests {
         let plan = AgentPlan::new(modes.clone(), vec![50, 0, 50], 8, 48, &conversation).unwrap();
         assert_eq!(plan.rtts_ms, [0, 50]);
         assert!(AgentPlan::new(modes.clone(), vec![0], 0, 48, &conversation).is_err());
-        assert!(AgentPlan::new(modes.clone(), vec![0], conversation.turns.len() + 1, 48, &conversation).is_err());
+        assert!(AgentPlan::new(
+            modes.clone(),
+            vec![0],
+            conversation.turns.len() + 1,
+            48,
+            &conversation
+        )
+        .is_err());
         assert!(AgentPlan::new(modes.clone(), vec![], 2, 48, &conversation).is_err());
         assert!(AgentPlan::new(modes.clone(), vec![0], 2, 0, &conversation).is_err());
-        assert!(AgentPlan::new(vec![AgentMode::Speculative], vec![0], 2, 48, &conversation).is_err());
+        assert!(
+            AgentPlan::new(vec![AgentMode::Speculative], vec![0], 2, 48, &conversation).is_err()
+        );
         // Without a cache every turn prefills everything: target-only dominates the estimate.
-        let only = |mode| AgentPlan { modes: vec![mode], ..plan.clone() }.estimate_seconds(&conversation);
+        let only =
+            |mode| AgentPlan { modes: vec![mode], ..plan.clone() }.estimate_seconds(&conversation);
         assert!(only(AgentMode::TargetOnly) > 2.0 * only(AgentMode::Speculative));
         assert!(only(AgentMode::TargetOnly) > only(AgentMode::TargetOnlyCached));
         let short = AgentPlan { turns: 2, ..plan.clone() };

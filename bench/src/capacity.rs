@@ -55,7 +55,12 @@ pub struct Recorder {
 
 impl Recorder {
     pub async fn start(upstream: String) -> anyhow::Result<Self> {
-        let relay = Relay { upstream, client: reqwest::Client::new(), calls: Arc::default(), order: Arc::default() };
+        let relay = Relay {
+            upstream,
+            client: reqwest::Client::new(),
+            calls: Arc::default(),
+            order: Arc::default(),
+        };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let app = axum::Router::new().fallback(forward).with_state(relay.clone());
@@ -74,7 +79,11 @@ impl Recorder {
     pub fn traces(&self) -> Vec<Trace> {
         let calls = self.relay.calls.lock().unwrap_or_else(|p| p.into_inner());
         let order = self.relay.order.lock().unwrap_or_else(|p| p.into_inner());
-        order.iter().filter_map(|id| calls.get(id).map(|(t, _)| t.clone())).filter(|t| !t.is_empty()).collect()
+        order
+            .iter()
+            .filter_map(|id| calls.get(id).map(|(t, _)| t.clone()))
+            .filter(|t| !t.is_empty())
+            .collect()
     }
 }
 
@@ -103,7 +112,10 @@ async fn relay_call(relay: &Relay, request: Request) -> anyhow::Result<Response>
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
     let verify = parts.method == axum::http::Method::POST && parts.uri.path() == "/verify";
     let sent = Instant::now();
-    let mut upstream = relay.client.request(parts.method.clone(), format!("{}{path}", relay.upstream)).body(body.clone());
+    let mut upstream = relay
+        .client
+        .request(parts.method.clone(), format!("{}{path}", relay.upstream))
+        .body(body.clone());
     for name in [header::CONTENT_TYPE, header::ACCEPT, header::AUTHORIZATION] {
         if let Some(v) = parts.headers.get(&name) {
             upstream = upstream.header(name, v);
@@ -112,15 +124,25 @@ async fn relay_call(relay: &Relay, request: Request) -> anyhow::Result<Response>
     let answer = upstream.send().await?;
     let status = answer.status();
     // A busy verifier's 429 says when to come back: the gateway behind the relay must see it.
-    let kept: Vec<_> =
-        [header::CONTENT_TYPE, header::RETRY_AFTER].into_iter().filter_map(|name| Some((name.clone(), answer.headers().get(name)?.clone()))).collect();
-    let content_type = kept.iter().find(|(name, _)| name == header::CONTENT_TYPE).map(|(_, v)| v.clone());
+    let kept: Vec<_> = [header::CONTENT_TYPE, header::RETRY_AFTER]
+        .into_iter()
+        .filter_map(|name| Some((name.clone(), answer.headers().get(name)?.clone())))
+        .collect();
+    let content_type =
+        kept.iter().find(|(name, _)| name == header::CONTENT_TYPE).map(|(_, v)| v.clone());
     let bytes: Bytes = answer.bytes().await?;
     if verify && status.is_success() {
         let binary = names_binary(&parts.headers, header::CONTENT_TYPE);
         let request = if binary { decode_request(&body)? } else { serde_json::from_slice(&body)? };
-        let answered_binary = content_type.as_ref().and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(BINARY_CONTENT_TYPE));
-        let response: VerifyResponse = if answered_binary { decode_response(&bytes)? } else { serde_json::from_slice(&bytes)? };
+        let answered_binary = content_type
+            .as_ref()
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.contains(BINARY_CONTENT_TYPE));
+        let response: VerifyResponse = if answered_binary {
+            decode_response(&bytes)?
+        } else {
+            serde_json::from_slice(&bytes)?
+        };
         let id = request.session_id.clone().unwrap_or_default();
         let mut calls = relay.calls.lock().unwrap_or_else(|p| p.into_inner());
         let (trace, last) = calls.entry(id.clone()).or_insert_with(|| {
@@ -129,7 +151,13 @@ async fn relay_call(relay: &Relay, request: Request) -> anyhow::Result<Response>
         });
         let gap = sent.saturating_duration_since(*last);
         let accept_binary = names_binary(&parts.headers, header::ACCEPT);
-        trace.push(RecordedCall { request, binary, accept_binary, gap, answer: (response.accepted, response.next_token) });
+        trace.push(RecordedCall {
+            request,
+            binary,
+            accept_binary,
+            gap,
+            answer: (response.accepted, response.next_token),
+        });
         *last = Instant::now();
     }
     let mut response = (status, bytes).into_response();
@@ -151,7 +179,13 @@ pub struct EdgeResult {
 
 /// Replays `trace` as session `tag`-prefixed ids: waits each recorded gap, sends the call in its
 /// recorded wire form, checks the verdict, and ends the session.
-pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: &[RecordedCall], tag: &str) -> anyhow::Result<EdgeResult> {
+pub async fn replay_edge(
+    client: &reqwest::Client,
+    url: &str,
+    key: &str,
+    trace: &[RecordedCall],
+    tag: &str,
+) -> anyhow::Result<EdgeResult> {
     let started = Instant::now();
     let mut result = EdgeResult::default();
     let mut sessions: Vec<String> = Vec::new();
@@ -164,8 +198,11 @@ pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: 
                 sessions.push(id.clone());
             }
         }
-        let (body, content_type) =
-            if call.binary { (encode_request(&request), BINARY_CONTENT_TYPE) } else { (serde_json::to_vec(&request)?, "application/json") };
+        let (body, content_type) = if call.binary {
+            (encode_request(&request), BINARY_CONTENT_TYPE)
+        } else {
+            (serde_json::to_vec(&request)?, "application/json")
+        };
         let accept = if call.accept_binary { BINARY_CONTENT_TYPE } else { "application/json" };
         let response = loop {
             let t = Instant::now();
@@ -179,8 +216,12 @@ pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: 
                 .await?;
             if r.status() == StatusCode::TOO_MANY_REQUESTS {
                 result.busy += 1;
-                let after = r.headers().get(header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
-                tokio::time::sleep(after.map_or(Duration::from_millis(50), Duration::from_secs)).await;
+                let after = r
+                    .headers()
+                    .get(header::RETRY_AFTER)
+                    .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+                tokio::time::sleep(after.map_or(Duration::from_millis(50), Duration::from_secs))
+                    .await;
                 continue;
             }
             if !r.status().is_success() {
@@ -189,7 +230,8 @@ pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: 
             let binary = names_binary(r.headers(), header::CONTENT_TYPE);
             let bytes = r.bytes().await?;
             result.latencies.push(t.elapsed().as_secs_f64());
-            let response: VerifyResponse = if binary { decode_response(&bytes)? } else { serde_json::from_slice(&bytes)? };
+            let response: VerifyResponse =
+                if binary { decode_response(&bytes)? } else { serde_json::from_slice(&bytes)? };
             break response;
         };
         result.committed += response.accepted as usize + 1;
@@ -198,7 +240,12 @@ pub async fn replay_edge(client: &reqwest::Client, url: &str, key: &str, trace: 
         }
     }
     for id in sessions {
-        client.delete(format!("{url}/sessions/{id}")).bearer_auth(key).send().await.context("ending a session")?;
+        client
+            .delete(format!("{url}/sessions/{id}"))
+            .bearer_auth(key)
+            .send()
+            .await
+            .context("ending a session")?;
     }
     result.elapsed = started.elapsed();
     Ok(result)
@@ -232,11 +279,19 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 impl CapacityPoint {
-    pub fn of(mode: &str, edges: &[EdgeResult], wall: Duration, cpu_s: f64, rss_peak_mb: f64) -> Self {
+    pub fn of(
+        mode: &str,
+        edges: &[EdgeResult],
+        wall: Duration,
+        cpu_s: f64,
+        rss_peak_mb: f64,
+    ) -> Self {
         let committed: usize = edges.iter().map(|e| e.committed).sum();
-        let mut latencies: Vec<f64> = edges.iter().flat_map(|e| e.latencies.iter().copied()).collect();
+        let mut latencies: Vec<f64> =
+            edges.iter().flat_map(|e| e.latencies.iter().copied()).collect();
         latencies.sort_by(f64::total_cmp);
-        let mut rates: Vec<f64> = edges.iter().map(|e| e.committed as f64 / e.elapsed.as_secs_f64().max(1e-9)).collect();
+        let mut rates: Vec<f64> =
+            edges.iter().map(|e| e.committed as f64 / e.elapsed.as_secs_f64().max(1e-9)).collect();
         rates.sort_by(f64::total_cmp);
         Self {
             mode: mode.to_string(),
@@ -280,7 +335,12 @@ pub fn report(points: &[CapacityPoint], min_rate: f64, verifier_cores: usize) ->
     let mut modes: Vec<&str> = points.iter().map(|p| p.mode.as_str()).collect();
     modes.dedup();
     for mode in modes {
-        let served = points.iter().filter(|p| p.mode == mode && p.edge_tokens_per_s_min >= min_rate).map(|p| p.edges).max().unwrap_or(0);
+        let served = points
+            .iter()
+            .filter(|p| p.mode == mode && p.edge_tokens_per_s_min >= min_rate)
+            .map(|p| p.edges)
+            .max()
+            .unwrap_or(0);
         out.push_str(&format!(
             "\n- {mode}: {served} edges at ≥ {min_rate} tokens/s each ({:.1} per verifier core)",
             served as f64 / verifier_cores.max(1) as f64
@@ -293,7 +353,10 @@ pub fn report(points: &[CapacityPoint], min_rate: f64, verifier_cores: usize) ->
         let find = |m: &str| points.iter().find(|p| p.mode == m && p.edges == n);
         if let (Some(b), Some(u)) = (find("batched"), find("one at a time")) {
             if n > 1 {
-                out.push_str(&format!("\n- {n} edges: batched / one at a time = {:.2}x tokens/s", b.tokens_per_s / u.tokens_per_s.max(1e-9)));
+                out.push_str(&format!(
+                    "\n- {n} edges: batched / one at a time = {:.2}x tokens/s",
+                    b.tokens_per_s / u.tokens_per_s.max(1e-9)
+                ));
             }
         }
     }
@@ -306,17 +369,44 @@ mod tests {
     use super::*;
 
     fn edge(committed: usize, secs: f64, latencies: &[f64]) -> EdgeResult {
-        EdgeResult { committed, latencies: latencies.to_vec(), elapsed: Duration::from_secs_f64(secs), mismatches: 0, busy: 0 }
+        EdgeResult {
+            committed,
+            latencies: latencies.to_vec(),
+            elapsed: Duration::from_secs_f64(secs),
+            mismatches: 0,
+            busy: 0,
+        }
     }
 
     #[test]
     fn a_point_sums_edges_and_the_report_finds_the_edges_served() {
-        let one = CapacityPoint::of("batched", &[edge(40, 2.0, &[0.1, 0.2])], Duration::from_secs(2), 4.0, 900.0);
+        let one = CapacityPoint::of(
+            "batched",
+            &[edge(40, 2.0, &[0.1, 0.2])],
+            Duration::from_secs(2),
+            4.0,
+            900.0,
+        );
         assert_eq!((one.committed, one.tokens_per_s, one.edge_tokens_per_s_min), (40, 20.0, 20.0));
         assert!((one.verifier_cpu_s_per_token - 0.1).abs() < 1e-12);
-        let two = CapacityPoint::of("batched", &[edge(40, 4.0, &[0.1]), edge(20, 4.0, &[0.3, 0.5])], Duration::from_secs(4), 6.0, 950.0);
-        assert_eq!((two.tokens_per_s, two.edge_tokens_per_s_min, two.latency_p99_ms), (15.0, 5.0, 500.0));
-        let slow = CapacityPoint::of("one at a time", &[edge(40, 4.0, &[0.1]), edge(40, 8.0, &[0.3])], Duration::from_secs(8), 6.0, 950.0);
+        let two = CapacityPoint::of(
+            "batched",
+            &[edge(40, 4.0, &[0.1]), edge(20, 4.0, &[0.3, 0.5])],
+            Duration::from_secs(4),
+            6.0,
+            950.0,
+        );
+        assert_eq!(
+            (two.tokens_per_s, two.edge_tokens_per_s_min, two.latency_p99_ms),
+            (15.0, 5.0, 500.0)
+        );
+        let slow = CapacityPoint::of(
+            "one at a time",
+            &[edge(40, 4.0, &[0.1]), edge(40, 8.0, &[0.3])],
+            Duration::from_secs(8),
+            6.0,
+            950.0,
+        );
         let text = report(&[one, two, slow], 10.0, 1);
         assert!(text.contains("- batched: 1 edges at ≥ 10 tokens/s each"), "{text}");
         assert!(text.contains("- one at a time: 0 edges"), "{text}");

@@ -138,15 +138,22 @@ impl SseDecoder {
 }
 
 /// Folds one `data:` payload into `out`; true at `[DONE]`. An error event fails the request.
-fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<WireUsage>, first_text: &mut bool) -> anyhow::Result<bool> {
+fn apply(
+    payload: &str,
+    out: &mut Outcome,
+    usage: &mut Option<WireUsage>,
+    first_text: &mut bool,
+) -> anyhow::Result<bool> {
     if payload == "[DONE]" {
         return Ok(true);
     }
-    let value: Value = serde_json::from_str(payload).with_context(|| format!("bad SSE payload {payload:?}"))?;
+    let value: Value =
+        serde_json::from_str(payload).with_context(|| format!("bad SSE payload {payload:?}"))?;
     if let Some(error) = value.get("error") {
         bail!("error event mid-stream: {error}");
     }
-    let chunk: WireChunk = serde_json::from_value(value).with_context(|| format!("not a chunk: {payload:?}"))?;
+    let chunk: WireChunk =
+        serde_json::from_value(value).with_context(|| format!("not a chunk: {payload:?}"))?;
     for choice in &chunk.choices {
         if let Some(text) = choice.delta.content.as_deref().filter(|t| !t.is_empty()) {
             *first_text = true;
@@ -161,7 +168,12 @@ fn apply(payload: &str, out: &mut Outcome, usage: &mut Option<WireUsage>, first_
 
 /// Sends one streamed chat completion to `base_url` (the gateway) and reads it to the end.
 /// `on_text` sees every text delta as it arrives, with the seconds since the request was sent.
-pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatRequest<'_>, on_text: &mut dyn FnMut(&str, f64)) -> anyhow::Result<Outcome> {
+pub async fn stream_chat(
+    client: &reqwest::Client,
+    base_url: &str,
+    req: &ChatRequest<'_>,
+    on_text: &mut dyn FnMut(&str, f64),
+) -> anyhow::Result<Outcome> {
     let body = json!({
         "model": "spade",
         "messages": req.messages,
@@ -172,7 +184,12 @@ pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatReq
         "stream_options": {"include_usage": true},
     });
     let started = Instant::now();
-    let response = client.post(format!("{base_url}/v1/chat/completions")).json(&body).send().await.context("sending the request")?;
+    let response = client
+        .post(format!("{base_url}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .context("sending the request")?;
     let status = response.status();
     if !status.is_success() {
         let text = response.text().await.unwrap_or_default();
@@ -199,7 +216,8 @@ pub async fn stream_chat(client: &reqwest::Client, base_url: &str, req: &ChatReq
     if !done {
         bail!("the stream ended without [DONE]");
     }
-    let usage = usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
+    let usage =
+        usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
     let spade = usage.spade.ok_or_else(|| anyhow!("usage has no `spade` object"))?;
     out.completion_tokens = usage.completion_tokens;
     out.accepted = usage.completion_tokens_details.accepted_prediction_tokens;
@@ -228,13 +246,19 @@ mod tests {
             let mut d = SseDecoder::default();
             let mut got = d.push(&bytes[..cut]);
             got.extend(d.push(&bytes[cut..]));
-            assert_eq!(got, vec!["{\"a\":\"é\"}".to_string(), "[DONE]".to_string()], "cut at {cut}");
+            assert_eq!(
+                got,
+                vec!["{\"a\":\"é\"}".to_string(), "[DONE]".to_string()],
+                "cut at {cut}"
+            );
         }
     }
 
     fn chunk(content: Option<&str>, usage: Option<Value>) -> String {
         let choices = match content {
-            Some(c) => json!([{"index": 0, "delta": {"content": c}, "logprobs": null, "finish_reason": null}]),
+            Some(c) => {
+                json!([{"index": 0, "delta": {"content": c}, "logprobs": null, "finish_reason": null}])
+            }
             None => json!([]),
         };
         json!({"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "spade", "choices": choices, "usage": usage}).to_string()
@@ -255,7 +279,11 @@ mod tests {
         assert_eq!(out.text, "Hi");
         let spade = u.unwrap().spade.unwrap();
         assert_eq!(spade.verify_calls, 1);
-        assert_eq!((spade.ahead_drafted, spade.timing), (0, RoundTiming::default()), "fields an older gateway lacks default to 0");
+        assert_eq!(
+            (spade.ahead_drafted, spade.timing),
+            (0, RoundTiming::default()),
+            "fields an older gateway lacks default to 0"
+        );
     }
 
     #[test]
@@ -269,7 +297,10 @@ mod tests {
         apply(&chunk(None, Some(usage)), &mut out, &mut u, &mut first).unwrap();
         let spade = u.unwrap().spade.unwrap();
         assert_eq!((spade.ahead_drafted, spade.ahead_used), (2, 1));
-        assert_eq!(spade.timing, RoundTiming { draft_s: 0.5, overlap_s: 0.25, link_s: 0.3, verifier_s: 0.9 });
+        assert_eq!(
+            spade.timing,
+            RoundTiming { draft_s: 0.5, overlap_s: 0.25, link_s: 0.3, verifier_s: 0.9 }
+        );
         assert_eq!(spade.draft_len, Some(json!("auto")));
         assert_eq!(spade.auto.unwrap()["draft"], 4);
     }
@@ -277,7 +308,8 @@ mod tests {
     #[test]
     fn an_error_event_fails_the_request() {
         let (mut out, mut u, mut first) = (Outcome::default(), None, false);
-        let err = apply(r#"{"error":{"message":"verifier down"}}"#, &mut out, &mut u, &mut first).unwrap_err();
+        let err = apply(r#"{"error":{"message":"verifier down"}}"#, &mut out, &mut u, &mut first)
+            .unwrap_err();
         assert!(err.to_string().contains("verifier down"), "{err}");
         assert!(apply("not json", &mut out, &mut u, &mut first).is_err());
     }

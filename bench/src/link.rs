@@ -138,7 +138,11 @@ mod tests {
         let start = Instant::now();
         let first = link.deliver_at(start);
         link.set_config(&config(0, 0, 0.0));
-        assert_eq!(link.deliver_at(start + MS), first, "a faster link never overtakes the chunk before");
+        assert_eq!(
+            link.deliver_at(start + MS),
+            first,
+            "a faster link never overtakes the chunk before"
+        );
         assert_eq!(link.deliver_at(start + MS * 60), start + MS * 60);
     }
 

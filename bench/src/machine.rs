@@ -10,7 +10,9 @@ use serde::Serialize;
 /// User + system CPU seconds a process has used so far, all its threads together.
 pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    let ticks = cpu_ticks(&stat).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, format!("unexpected /proc/{pid}/stat")))?;
+    let ticks = cpu_ticks(&stat).ok_or_else(|| {
+        io::Error::new(io::ErrorKind::InvalidData, format!("unexpected /proc/{pid}/stat"))
+    })?;
     // SAFETY: sysconf only reads a configuration value.
     let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     Ok(ticks as f64 / if per_second > 0 { per_second as f64 } else { 100.0 })
@@ -19,7 +21,10 @@ pub fn cpu_seconds(pid: u32) -> io::Result<f64> {
 /// A process's resident memory now (`VmRSS`), in MiB; 0 when it cannot be read.
 pub fn rss_mb(pid: u32) -> f64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok());
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok());
     kb.map_or(0.0, |kb| kb / 1024.0)
 }
 
@@ -53,7 +58,8 @@ impl Machine {
             memory_gib: field(&meminfo, "MemTotal")
                 .and_then(|kb| kb.trim_end_matches("kB").trim().parse::<f64>().ok())
                 .map_or(0.0, |kb| kb / (1024.0 * 1024.0)),
-            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "unknown".into(), |s| s.trim().to_string()),
+            kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+                .map_or_else(|_| "unknown".into(), |s| s.trim().to_string()),
         }
     }
 }
@@ -114,8 +120,14 @@ mod tests {
 
     #[test]
     fn reads_proc_style_fields() {
-        assert_eq!(field("processor\t: 0\nmodel name\t: AMD EPYC\n", "model name").as_deref(), Some("AMD EPYC"));
-        assert_eq!(field("MemTotal:       24683620 kB\n", "MemTotal").as_deref(), Some("24683620 kB"));
+        assert_eq!(
+            field("processor\t: 0\nmodel name\t: AMD EPYC\n", "model name").as_deref(),
+            Some("AMD EPYC")
+        );
+        assert_eq!(
+            field("MemTotal:       24683620 kB\n", "MemTotal").as_deref(),
+            Some("24683620 kB")
+        );
         assert_eq!(field("", "x"), None);
     }
 }

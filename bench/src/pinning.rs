@@ -20,16 +20,32 @@ pub struct Pinning {
 
 impl Pinning {
     /// Pinning when it is wanted and possible; otherwise `None` and why not.
-    pub fn decide(wanted: bool, cpus: &[usize], taskset: Option<PathBuf>) -> (Option<Self>, Option<String>) {
+    pub fn decide(
+        wanted: bool,
+        cpus: &[usize],
+        taskset: Option<PathBuf>,
+    ) -> (Option<Self>, Option<String>) {
         if !wanted {
-            return (None, Some("servers not pinned (--no-pin): verifier and gateway share every core".into()));
+            return (
+                None,
+                Some("servers not pinned (--no-pin): verifier and gateway share every core".into()),
+            );
         }
         let Some(taskset) = taskset else {
-            return (None, Some("`taskset` not found (util-linux): servers not pinned, they share every core".into()));
+            return (
+                None,
+                Some(
+                    "`taskset` not found (util-linux): servers not pinned, they share every core"
+                        .into(),
+                ),
+            );
         };
         match cpus {
             [v, g, ..] => (Some(Self { taskset, verifier_cpu: *v, gateway_cpu: *g }), None),
-            _ => (None, Some(format!("only {} usable CPU(s) ({cpus:?}): servers not pinned", cpus.len()))),
+            _ => (
+                None,
+                Some(format!("only {} usable CPU(s) ({cpus:?}): servers not pinned", cpus.len())),
+            ),
         }
     }
 
@@ -57,7 +73,9 @@ pub fn allowed_cpus() -> Vec<usize> {
 pub fn find_in_path(name: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path).map(|dir| dir.join(name)).find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.metadata().is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0))
 }
 
 /// The `Cpus_allowed_list` of a running process (e.g. `"1"` or `"0-1"`): proof that pinning took.
@@ -87,7 +105,8 @@ mod tests {
     #[test]
     fn wraps_a_command_in_taskset() {
         let pin = Pinning { taskset: "/usr/bin/taskset".into(), verifier_cpu: 0, gateway_cpu: 1 };
-        let (program, args) = pin.wrap(1, Path::new("/x/spade-gateway"), &["--port".into(), "9".into()]);
+        let (program, args) =
+            pin.wrap(1, Path::new("/x/spade-gateway"), &["--port".into(), "9".into()]);
         assert_eq!(program, PathBuf::from("/usr/bin/taskset"));
         assert_eq!(args, ["-c", "1", "/x/spade-gateway", "--port", "9"]);
     }

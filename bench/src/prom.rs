@@ -35,7 +35,10 @@ impl Scrape {
     pub fn by_position(&self, name: &str) -> Vec<f64> {
         let mut out = Vec::new();
         for ((n, labels), &v) in &self.0 {
-            let position = labels.iter().find(|(k, _)| k == "position").and_then(|(_, p)| p.parse::<usize>().ok());
+            let position = labels
+                .iter()
+                .find(|(k, _)| k == "position")
+                .and_then(|(_, p)| p.parse::<usize>().ok());
             if let (true, Some(i)) = (n == name, position) {
                 if out.len() <= i {
                     out.resize(i + 1, 0.0);
@@ -107,7 +110,9 @@ impl VerifierCounters {
             draft_tokens: self.draft_tokens - before.draft_tokens,
             accepted_tokens: self.accepted_tokens - before.accepted_tokens,
             drafted_per_pos: zip_with(&self.drafted_per_pos, &before.drafted_per_pos, |a, b| a - b),
-            accepted_per_pos: zip_with(&self.accepted_per_pos, &before.accepted_per_pos, |a, b| a - b),
+            accepted_per_pos: zip_with(&self.accepted_per_pos, &before.accepted_per_pos, |a, b| {
+                a - b
+            }),
             forward_seconds: self.forward_seconds - before.forward_seconds,
         }
     }
@@ -119,20 +124,29 @@ impl VerifierCounters {
             draft_tokens: self.draft_tokens + other.draft_tokens,
             accepted_tokens: self.accepted_tokens + other.accepted_tokens,
             drafted_per_pos: zip_with(&self.drafted_per_pos, &other.drafted_per_pos, |a, b| a + b),
-            accepted_per_pos: zip_with(&self.accepted_per_pos, &other.accepted_per_pos, |a, b| a + b),
+            accepted_per_pos: zip_with(&self.accepted_per_pos, &other.accepted_per_pos, |a, b| {
+                a + b
+            }),
             forward_seconds: self.forward_seconds + other.forward_seconds,
         };
     }
 
     /// Survival rate by position (see `accepted_per_pos`), for the positions drafted at least once.
     pub fn acceptance_by_position(&self) -> Vec<f64> {
-        self.drafted_per_pos.iter().zip(&self.accepted_per_pos).take_while(|(d, _)| **d > 0.0).map(|(d, a)| a / d).collect()
+        self.drafted_per_pos
+            .iter()
+            .zip(&self.accepted_per_pos)
+            .take_while(|(d, _)| **d > 0.0)
+            .map(|(d, a)| a / d)
+            .collect()
     }
 }
 
 /// Element-wise `f` over two vectors, the shorter padded with zeros.
 fn zip_with(a: &[f64], b: &[f64], f: impl Fn(f64, f64) -> f64) -> Vec<f64> {
-    (0..a.len().max(b.len())).map(|i| f(a.get(i).copied().unwrap_or(0.0), b.get(i).copied().unwrap_or(0.0))).collect()
+    (0..a.len().max(b.len()))
+        .map(|i| f(a.get(i).copied().unwrap_or(0.0), b.get(i).copied().unwrap_or(0.0)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -158,7 +172,10 @@ spade_ready 1"#;
         assert_eq!(s.value("spade_verify_calls_total"), 16.0);
         assert_eq!(s.value("spade_ready"), 1.0);
         assert_eq!(s.value("absent_metric"), 0.0);
-        assert_eq!(s.by_position("spade_spec_decode_num_accepted_tokens_per_pos"), vec![13.0, 12.0]);
+        assert_eq!(
+            s.by_position("spade_spec_decode_num_accepted_tokens_per_pos"),
+            vec![13.0, 12.0]
+        );
         assert_eq!(s.by_position("spade_spec_decode_num_draft_tokens_per_pos"), vec![16.0, 16.0]);
         let c = VerifierCounters::from_scrape(&s);
         assert!((c.forward_seconds - 10.633).abs() < 1e-3);
@@ -167,15 +184,27 @@ spade_ready 1"#;
 
     #[test]
     fn skips_malformed_lines_and_reads_timestamps() {
-        let s = Scrape::parse("good 2 1700000000\nbad{position=\"0\" 3\nnovalue\n  \nhalf{a=\"1\"} x\n");
+        let s = Scrape::parse(
+            "good 2 1700000000\nbad{position=\"0\" 3\nnovalue\n  \nhalf{a=\"1\"} x\n",
+        );
         assert_eq!(s.value("good"), 2.0);
         assert_eq!(s.0.len(), 1);
     }
 
     #[test]
     fn deltas_subtract_and_sum_positions_of_different_lengths() {
-        let before = VerifierCounters { calls: 10.0, drafted_per_pos: vec![4.0], accepted_per_pos: vec![3.0], ..Default::default() };
-        let after = VerifierCounters { calls: 15.0, drafted_per_pos: vec![9.0, 5.0], accepted_per_pos: vec![7.0, 2.0], ..Default::default() };
+        let before = VerifierCounters {
+            calls: 10.0,
+            drafted_per_pos: vec![4.0],
+            accepted_per_pos: vec![3.0],
+            ..Default::default()
+        };
+        let after = VerifierCounters {
+            calls: 15.0,
+            drafted_per_pos: vec![9.0, 5.0],
+            accepted_per_pos: vec![7.0, 2.0],
+            ..Default::default()
+        };
         let mut d = after.since(&before);
         assert_eq!(d.calls, 5.0);
         assert_eq!(d.drafted_per_pos, vec![5.0, 5.0]);
@@ -187,7 +216,11 @@ spade_ready 1"#;
 
     #[test]
     fn positions_never_drafted_are_left_out() {
-        let c = VerifierCounters { drafted_per_pos: vec![4.0, 0.0, 0.0], accepted_per_pos: vec![2.0, 0.0, 0.0], ..Default::default() };
+        let c = VerifierCounters {
+            drafted_per_pos: vec![4.0, 0.0, 0.0],
+            accepted_per_pos: vec![2.0, 0.0, 0.0],
+            ..Default::default()
+        };
         assert_eq!(c.acceptance_by_position(), vec![0.5]);
     }
 }

@@ -23,7 +23,8 @@ pub enum Category {
 }
 
 impl Category {
-    pub const ALL: [Category; 4] = [Category::Code, Category::Chat, Category::Summarization, Category::Qa];
+    pub const ALL: [Category; 4] =
+        [Category::Code, Category::Chat, Category::Summarization, Category::Qa];
 }
 
 /// A chat message, as the OpenAI chat API takes it.
@@ -56,12 +57,17 @@ pub enum PromptsError {
 /// messages and a `max_tokens` of 0.
 pub fn load_prompts(path: impl AsRef<Path>) -> Result<Vec<Prompt>, PromptsError> {
     let path = path.as_ref();
-    let text = std::fs::read_to_string(path).map_err(|source| PromptsError::Read { path: path.into(), source })?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|source| PromptsError::Read { path: path.into(), source })?;
     let mut ids = HashSet::new();
     let mut prompts = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let line_no = i + 1;
-        let prompt: Prompt = serde_json::from_str(line).map_err(|source| PromptsError::Parse { path: path.into(), line: line_no, source })?;
+        let prompt: Prompt = serde_json::from_str(line).map_err(|source| PromptsError::Parse {
+            path: path.into(),
+            line: line_no,
+            source,
+        })?;
         let problem = if !ids.insert(prompt.id.clone()) {
             Some(format!("id {:?} appears twice", prompt.id))
         } else if prompt.messages.is_empty() {
@@ -88,7 +94,10 @@ mod tests {
         let prompts = load_prompts(concat!(env!("CARGO_MANIFEST_DIR"), "/prompts.jsonl")).unwrap();
         assert!(prompts.len() >= 36, "{} prompts", prompts.len());
         for category in Category::ALL {
-            let n = prompts.iter().filter(|p| p.category == category && p.max_tokens < crate::plan::LONG_MIN_TOKENS).count();
+            let n = prompts
+                .iter()
+                .filter(|p| p.category == category && p.max_tokens < crate::plan::LONG_MIN_TOKENS)
+                .count();
             assert!(n >= 9, "{category:?}: {n} short prompts");
         }
         let long = prompts.iter().filter(|p| p.max_tokens >= crate::plan::LONG_MIN_TOKENS).count();
@@ -96,7 +105,8 @@ mod tests {
         let ids: HashSet<&str> = prompts.iter().map(|p| p.id.as_str()).collect();
         assert_eq!(ids.len(), prompts.len(), "ids repeat");
         for p in &prompts {
-            let words: usize = p.messages.iter().map(|m| m.content.split_whitespace().count()).sum();
+            let words: usize =
+                p.messages.iter().map(|m| m.content.split_whitespace().count()).sum();
             assert!(words <= 130, "{}: {words} words", p.id);
             assert!(p.messages.iter().all(|m| m.role == "user" || m.role == "system"), "{}", p.id);
         }

@@ -37,7 +37,12 @@ type Chunk = (Instant, Vec<u8>);
 
 /// Accepts connections on `listener` and relays each to `upstream` through the link `cfg` until
 /// `shutdown` resolves; then stops accepting and closes the connections still open.
-pub async fn run_proxy(listener: TcpListener, upstream: String, cfg: LinkConfig, shutdown: impl Future) -> io::Result<()> {
+pub async fn run_proxy(
+    listener: TcpListener,
+    upstream: String,
+    cfg: LinkConfig,
+    shutdown: impl Future,
+) -> io::Result<()> {
     cfg.check().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // Nobody changes this link: the receivers keep reading its one value after the sender is gone.
     let (_, link) = watch::channel(cfg);
@@ -45,7 +50,12 @@ pub async fn run_proxy(listener: TcpListener, upstream: String, cfg: LinkConfig,
 }
 
 /// [`run_proxy`] with a link that may change while it runs.
-async fn serve(listener: TcpListener, upstream: String, link: watch::Receiver<LinkConfig>, shutdown: impl Future) -> io::Result<()> {
+async fn serve(
+    listener: TcpListener,
+    upstream: String,
+    link: watch::Receiver<LinkConfig>,
+    shutdown: impl Future,
+) -> io::Result<()> {
     let cfg = *link.borrow();
     let seed = cfg.seed.unwrap_or_else(rand::random);
     tracing::info!(addr = %listener.local_addr()?, %upstream, rtt = ?cfg.rtt, jitter = ?cfg.jitter, loss = cfg.loss, seed, "proxying");
@@ -122,7 +132,13 @@ pub async fn spawn_proxy(upstream: impl Into<String>, cfg: LinkConfig) -> io::Re
     Ok(ProxyHandle { addr, link, stop, task })
 }
 
-async fn connection(client: TcpStream, peer: SocketAddr, upstream: String, links: (Schedule, Schedule), link: watch::Receiver<LinkConfig>) {
+async fn connection(
+    client: TcpStream,
+    peer: SocketAddr,
+    upstream: String,
+    links: (Schedule, Schedule),
+    link: watch::Receiver<LinkConfig>,
+) {
     match relay(client, &upstream, links, link).await {
         Ok((up, down)) => tracing::debug!(%peer, up, down, "connection closed"),
         Err(e) => tracing::debug!(%peer, "connection ended: {e}"),
@@ -130,26 +146,47 @@ async fn connection(client: TcpStream, peer: SocketAddr, upstream: String, links
 }
 
 /// Relays both directions until both have closed; returns the bytes carried up and down.
-async fn relay(mut client: TcpStream, upstream: &str, (up, down): (Schedule, Schedule), link: watch::Receiver<LinkConfig>) -> io::Result<(u64, u64)> {
-    let mut server = TcpStream::connect(upstream).await.inspect_err(|e| tracing::warn!("cannot connect to {upstream}: {e}"))?;
+async fn relay(
+    mut client: TcpStream,
+    upstream: &str,
+    (up, down): (Schedule, Schedule),
+    link: watch::Receiver<LinkConfig>,
+) -> io::Result<(u64, u64)> {
+    let mut server = TcpStream::connect(upstream)
+        .await
+        .inspect_err(|e| tracing::warn!("cannot connect to {upstream}: {e}"))?;
     // The link sets the timing; Nagle's algorithm would add its own.
     client.set_nodelay(true)?;
     server.set_nodelay(true)?;
     let (client_read, client_write) = client.split();
     let (server_read, server_write) = server.split();
-    tokio::try_join!(pipe(client_read, server_write, up, link.clone()), pipe(server_read, client_write, down, link))
+    tokio::try_join!(
+        pipe(client_read, server_write, up, link.clone()),
+        pipe(server_read, client_write, down, link)
+    )
 }
 
 /// One direction: reads chunks, holds each until its delivery time, writes it; passes EOF on as a
 /// half-close after the last chunk.
-async fn pipe(from: impl AsyncRead + Unpin, to: impl AsyncWrite + Unpin, schedule: Schedule, link: watch::Receiver<LinkConfig>) -> io::Result<u64> {
+async fn pipe(
+    from: impl AsyncRead + Unpin,
+    to: impl AsyncWrite + Unpin,
+    schedule: Schedule,
+    link: watch::Receiver<LinkConfig>,
+) -> io::Result<u64> {
     let (tx, rx) = mpsc::channel(QUEUE_CHUNKS);
-    let ((), carried) = tokio::try_join!(read_chunks(from, tx, schedule, link), write_chunks(rx, to))?;
+    let ((), carried) =
+        tokio::try_join!(read_chunks(from, tx, schedule, link), write_chunks(rx, to))?;
     Ok(carried)
 }
 
 /// Stamps each chunk with its delivery time; returns at EOF, dropping `tx` so the writer drains.
-async fn read_chunks(mut from: impl AsyncRead + Unpin, tx: mpsc::Sender<Chunk>, mut schedule: Schedule, link: watch::Receiver<LinkConfig>) -> io::Result<()> {
+async fn read_chunks(
+    mut from: impl AsyncRead + Unpin,
+    tx: mpsc::Sender<Chunk>,
+    mut schedule: Schedule,
+    link: watch::Receiver<LinkConfig>,
+) -> io::Result<()> {
     let mut buf = vec![0; CHUNK_BYTES];
     loop {
         let n = from.read(&mut buf).await?;
@@ -165,7 +202,10 @@ async fn read_chunks(mut from: impl AsyncRead + Unpin, tx: mpsc::Sender<Chunk>, 
 }
 
 /// Writes each chunk when it is due, then half-closes; returns the bytes written.
-async fn write_chunks(mut rx: mpsc::Receiver<Chunk>, mut to: impl AsyncWrite + Unpin) -> io::Result<u64> {
+async fn write_chunks(
+    mut rx: mpsc::Receiver<Chunk>,
+    mut to: impl AsyncWrite + Unpin,
+) -> io::Result<u64> {
     let mut carried = 0;
     while let Some((due, chunk)) = rx.recv().await {
         sleep_until(due).await;

@@ -6,7 +6,9 @@ use std::fmt::Write;
 use crate::machine::Machine;
 use crate::plan::{Plan, LONG_MIN_TOKENS};
 use crate::stats::Spread;
-use crate::summary::{Identity, ModeSummary, PerRound, SpeedRow, Summary, AUTO_TOLERANCE, SPEEDUP_GOALS};
+use crate::summary::{
+    Identity, ModeSummary, PerRound, SpeedRow, Summary, AUTO_TOLERANCE, SPEEDUP_GOALS,
+};
 
 /// What the report says about the run besides the figures.
 pub struct Context<'a> {
@@ -30,7 +32,10 @@ pub struct Context<'a> {
 pub fn compute_floor_summary(text: &str) -> Vec<String> {
     let mut lines = text.lines().skip_while(|l| !l.starts_with("## summary"));
     let heading = lines.next().map(|h| h.trim_start_matches('#').trim().to_string());
-    heading.into_iter().chain(lines.map(str::trim).filter(|l| !l.is_empty()).map(String::from)).collect()
+    heading
+        .into_iter()
+        .chain(lines.map(str::trim).filter(|l| !l.is_empty()).map(String::from))
+        .collect()
 }
 
 fn opt(v: Option<f64>, f: impl Fn(f64) -> String) -> String {
@@ -46,7 +51,10 @@ fn num(v: Option<f64>, digits: usize) -> String {
 }
 
 fn spread(s: Option<Spread>, digits: usize) -> String {
-    s.map_or_else(|| "—".to_string(), |s| format!("{:.digits$} [{:.digits$}–{:.digits$}]", s.median, s.min, s.max))
+    s.map_or_else(
+        || "—".to_string(),
+        |s| format!("{:.digits$} [{:.digits$}–{:.digits$}]", s.median, s.min, s.max),
+    )
 }
 
 fn ms(v: f64) -> String {
@@ -68,9 +76,15 @@ fn modes_table(out: &mut String, rows: &[ModeSummary], greedy: bool) {
         "| mode | target calls / request | calls saved vs target-only | acceptance | tokens / call | tokens/s | decode tokens/s | TTFT s | verifier CPU-s / token | edge CPU-s / token | wire bytes / token |{}",
         if greedy { " identical to target-only |" } else { "" }
     );
-    let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|{}", if greedy { "---:|" } else { "" });
+    let _ = writeln!(
+        out,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|{}",
+        if greedy { "---:|" } else { "" }
+    );
     for r in rows {
-        let identity = r.identical.as_ref().map_or("(reference)".to_string(), |i| format!("{:.0}% ({}/{})", 100.0 * i.share(), i.identical, i.compared));
+        let identity = r.identical.as_ref().map_or("(reference)".to_string(), |i| {
+            format!("{:.0}% ({}/{})", 100.0 * i.share(), i.identical, i.compared)
+        });
         let _ = writeln!(
             out,
             "| {} | {:.2} | {} | {} | {} | {} | {} | {} | {} | {} | {} |{}",
@@ -97,11 +111,14 @@ fn speed_table(out: &mut String, rows: &[SpeedRow], first: &dyn Fn(&SpeedRow) ->
         "| link | mode | tokens/s | decode tokens/s | TTFT s | tokens / call | pre-drafted used: of rounds (of drafted ahead) | \
          round ms | draft | link | verifier | other | overlap (hidden) | vs target-only | tokens / request |"
     );
-    let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ =
+        writeln!(out, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in rows {
         let p = r.per_round;
         let term = |f: fn(&PerRound) -> f64| p.as_ref().map_or("—".to_string(), |p| ms(f(p)));
-        let ahead = r.ahead_used_per_round.map_or("—".to_string(), |x| format!("{:.0}% ({})", 100.0 * x, pct(r.ahead_used_per_drafted)));
+        let ahead = r.ahead_used_per_round.map_or("—".to_string(), |x| {
+            format!("{:.0}% ({})", 100.0 * x, pct(r.ahead_used_per_drafted))
+        });
         let label = match r.auto_last_draft {
             Some(d) => format!("{} (last d={d:.1})", r.label),
             None => r.label.clone(),
@@ -130,7 +147,11 @@ fn speed_table(out: &mut String, rows: &[SpeedRow], first: &dyn Fn(&SpeedRow) ->
 /// is made of, beside the compute floor's figures.
 fn verifier_passes(out: &mut String, pass_ms: &[f64], compute_floor: &[String]) {
     let Some(&single) = pass_ms.first().filter(|&&ms| ms > 0.0) else { return };
-    let sizes: Vec<String> = pass_ms.iter().enumerate().map(|(i, ms)| format!("{} {ms:.0} ms ({:.1}x)", i + 1, ms / single)).collect();
+    let sizes: Vec<String> = pass_ms
+        .iter()
+        .enumerate()
+        .map(|(i, ms)| format!("{} {ms:.0} ms ({:.1}x)", i + 1, ms / single))
+        .collect();
     let _ = writeln!(
         out,
         "\nThe verifier's forward pass of one call's block, by rows (its `/v1/info` `pass_ms` after the run: timed at start-up, then updated by \
@@ -228,8 +249,11 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
         let _ = writeln!(out, "| link | auto tokens/s | best fixed | its tokens/s | auto vs best | paired | every fixed length (tokens/s) | goal met |");
         let _ = writeln!(out, "|---|---:|---:|---:|---:|---:|---|---|");
         for a in &s.auto_vs_fixed {
-            let link = a.drift_to_ms.map_or(format!("RTT {} ms", a.rtt_ms), |to| format!("drift {}→{to} ms", a.rtt_ms));
-            let fixed: Vec<String> = a.fixed.iter().map(|(d, t)| format!("d={d}: {t:.2}")).collect();
+            let link = a
+                .drift_to_ms
+                .map_or(format!("RTT {} ms", a.rtt_ms), |to| format!("drift {}→{to} ms", a.rtt_ms));
+            let fixed: Vec<String> =
+                a.fixed.iter().map(|(d, t)| format!("d={d}: {t:.2}")).collect();
             let _ = writeln!(
                 out,
                 "| {link} | {:.2} | d={} | {:.2} | {:+.1}% | {} | {} | {} |",
@@ -237,7 +261,12 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
                 a.best_fixed,
                 a.best_fixed_tokens_per_s,
                 100.0 * a.auto_vs_best,
-                a.paired_vs_best.map_or("—".into(), |p| format!("{:+.1}% [{:+.1}, {:+.1}]", 100.0 * p.median, 100.0 * p.min, 100.0 * p.max)),
+                a.paired_vs_best.map_or("—".into(), |p| format!(
+                    "{:+.1}% [{:+.1}, {:+.1}]",
+                    100.0 * p.median,
+                    100.0 * p.min,
+                    100.0 * p.max
+                )),
                 fixed.join(", "),
                 check(a.met)
             );
@@ -245,7 +274,8 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
     }
 
     if !s.vs_target_only.is_empty() {
-        let goals: Vec<String> = SPEEDUP_GOALS.iter().map(|(r, g)| format!("≥ {g:.1}× at {r} ms")).collect();
+        let goals: Vec<String> =
+            SPEEDUP_GOALS.iter().map(|(r, g)| format!("≥ {g:.1}× at {r} ms")).collect();
         let _ = writeln!(
             out,
             "\n## Speculative (draft-ahead) vs target-only\n\nMedian tokens/s on the long prompts over target-only's at the same RTT; goals {}. \
@@ -265,7 +295,12 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
         for v in &s.vs_target_only {
             let needs = v.gap.map_or("—".to_string(), |g| {
                 if g.verifier_can_close_it() {
-                    format!("a {} ms round: verifier {} → {} ms of it", ms(g.round_needed_s), ms(g.verifier_s), ms(g.verifier_needed_s))
+                    format!(
+                        "a {} ms round: verifier {} → {} ms of it",
+                        ms(g.round_needed_s),
+                        ms(g.verifier_s),
+                        ms(g.verifier_needed_s)
+                    )
                 } else {
                     format!("a {} ms round: less than the other terms alone", ms(g.round_needed_s))
                 }
@@ -300,13 +335,33 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
     speed_table(&mut out, &s.speed, &|r| format!("RTT {} ms", r.rtt_ms));
 
     let _ = writeln!(out, "\n### Tokens/s by mode and link\n");
-    let drift_col = plan.drift.map(|d| format!(" drift {}→{} ms |", d.from_ms, d.to_ms)).unwrap_or_default();
-    let _ = writeln!(out, "| mode |{}{drift_col}", plan.rtts_ms.iter().map(|r| format!(" RTT {r} ms |")).collect::<String>());
-    let _ = writeln!(out, "|---|{}{}", "---:|".repeat(plan.rtts_ms.len()), if plan.drift.is_some() { "---:|" } else { "" });
+    let drift_col =
+        plan.drift.map(|d| format!(" drift {}→{} ms |", d.from_ms, d.to_ms)).unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "| mode |{}{drift_col}",
+        plan.rtts_ms.iter().map(|r| format!(" RTT {r} ms |")).collect::<String>()
+    );
+    let _ = writeln!(
+        out,
+        "|---|{}{}",
+        "---:|".repeat(plan.rtts_ms.len()),
+        if plan.drift.is_some() { "---:|" } else { "" }
+    );
     for &mode in &plan.modes {
-        let cell = |row: Option<&SpeedRow>| format!(" {} |", row.map_or("—".to_string(), |r| spread(r.timing.tokens_per_s, 2)));
-        let cells: String = plan.rtts_ms.iter().map(|&rtt| cell(s.speed.iter().find(|r| r.mode == mode && r.rtt_ms == rtt))).collect();
-        let drift = if plan.drift.is_some() { cell(s.drift.iter().find(|r| r.mode == mode)) } else { String::new() };
+        let cell = |row: Option<&SpeedRow>| {
+            format!(" {} |", row.map_or("—".to_string(), |r| spread(r.timing.tokens_per_s, 2)))
+        };
+        let cells: String = plan
+            .rtts_ms
+            .iter()
+            .map(|&rtt| cell(s.speed.iter().find(|r| r.mode == mode && r.rtt_ms == rtt)))
+            .collect();
+        let drift = if plan.drift.is_some() {
+            cell(s.drift.iter().find(|r| r.mode == mode))
+        } else {
+            String::new()
+        };
         let _ = writeln!(out, "| {mode} |{cells}{drift}");
     }
 
@@ -318,7 +373,9 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
             drift_label(plan)
         );
         speed_table(&mut out, &s.drift, &|r| {
-            r.switch_at_s.map_or("never switched".to_string(), |at| format!("switch at {at:.1} s ({})", pct(r.switch_share).replace(".0%", "%")))
+            r.switch_at_s.map_or("never switched".to_string(), |at| {
+                format!("switch at {at:.1} s ({})", pct(r.switch_share).replace(".0%", "%"))
+            })
         });
     }
 
@@ -326,7 +383,13 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
     let _ = writeln!(out, "| mode | accounting (short) | timing (long, every RTT and rep) | drift | all | differing |");
     let _ = writeln!(out, "|---|---:|---:|---:|---|---|");
     for m in &s.identity {
-        let cell = |i: &Identity| if i.compared == 0 { "—".to_string() } else { format!("{}/{}", i.identical, i.compared) };
+        let cell = |i: &Identity| {
+            if i.compared == 0 {
+                "—".to_string()
+            } else {
+                format!("{}/{}", i.identical, i.compared)
+            }
+        };
         let status = if m.mode.speculates() {
             if m.lossless() {
                 "identical"
@@ -337,8 +400,19 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
             "(not the target's output)"
         };
         let differing = m.total().differing;
-        let shown = if differing.len() > 6 { format!("{} … ({} in all)", differing[..6].join(", "), differing.len()) } else { differing.join(", ") };
-        let _ = writeln!(out, "| {} | {} | {} | {} | {status} | {shown} |", m.label, cell(&m.accounting), cell(&m.timing), cell(&m.drift));
+        let shown = if differing.len() > 6 {
+            format!("{} … ({} in all)", differing[..6].join(", "), differing.len())
+        } else {
+            differing.join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {status} | {shown} |",
+            m.label,
+            cell(&m.accounting),
+            cell(&m.timing),
+            cell(&m.drift)
+        );
     }
 
     if !s.long_outputs.is_empty() {
@@ -349,38 +423,79 @@ pub fn render(ctx: &Context, s: &Summary) -> String {
         let _ = writeln!(out, "| prompt | max tokens | completion tokens | ≥ {LONG_MIN_TOKENS} |");
         let _ = writeln!(out, "|---|---:|---:|---|");
         for l in &s.long_outputs {
-            let _ = writeln!(out, "| {} | {} | {} | {} |", l.prompt_id, l.max_tokens, l.tokens, check(l.tokens >= u64::from(LONG_MIN_TOKENS)));
+            let _ = writeln!(
+                out,
+                "| {} | {} | {} | {} |",
+                l.prompt_id,
+                l.max_tokens,
+                l.tokens,
+                check(l.tokens >= u64::from(LONG_MIN_TOKENS))
+            );
         }
     }
 
     if !s.greedy.is_empty() {
-        let _ = writeln!(out, "\n## Accounting: greedy (temperature 0), short prompts, no link delay\n");
+        let _ = writeln!(
+            out,
+            "\n## Accounting: greedy (temperature 0), short prompts, no link delay\n"
+        );
         modes_table(&mut out, &s.greedy, true);
     }
     if !s.sampled.is_empty() {
-        let _ = writeln!(out, "\n## Sampled (temperature {}, seeded), short prompts, no link delay\n", plan.temperature);
+        let _ = writeln!(
+            out,
+            "\n## Sampled (temperature {}, seeded), short prompts, no link delay\n",
+            plan.temperature
+        );
         modes_table(&mut out, &s.sampled, false);
     }
 
-    let longest = s.greedy.iter().chain(&s.sampled).map(|m| m.acceptance_by_position.len()).max().unwrap_or(0);
+    let longest = s
+        .greedy
+        .iter()
+        .chain(&s.sampled)
+        .map(|m| m.acceptance_by_position.len())
+        .max()
+        .unwrap_or(0);
     if longest > 0 {
         let _ = writeln!(out, "\n## Acceptance by draft position\n\nShare of verify calls whose first k drafts were all accepted (verifier `/metrics`).\n");
-        let _ = writeln!(out, "| mode | T |{}", (1..=longest).map(|k| format!(" k={k} |")).collect::<String>());
+        let _ = writeln!(
+            out,
+            "| mode | T |{}",
+            (1..=longest).map(|k| format!(" k={k} |")).collect::<String>()
+        );
         let _ = writeln!(out, "|---|---:|{}", "---:|".repeat(longest));
-        for m in s.greedy.iter().chain(&s.sampled).filter(|m| !m.acceptance_by_position.is_empty()) {
-            let cells: String = (0..longest).map(|i| format!(" {} |", num(m.acceptance_by_position.get(i).copied(), 2))).collect();
+        for m in s.greedy.iter().chain(&s.sampled).filter(|m| !m.acceptance_by_position.is_empty())
+        {
+            let cells: String = (0..longest)
+                .map(|i| format!(" {} |", num(m.acceptance_by_position.get(i).copied(), 2)))
+                .collect();
             let _ = writeln!(out, "| {} | {} |{cells}", m.label, m.temperature);
         }
     }
 
-    let categories: Vec<String> =
-        s.greedy.iter().flat_map(|m| m.acceptance_by_category.keys().cloned()).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let categories: Vec<String> = s
+        .greedy
+        .iter()
+        .flat_map(|m| m.acceptance_by_category.keys().cloned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
     if !categories.is_empty() {
         let _ = writeln!(out, "\n## Greedy acceptance by prompt category\n");
-        let _ = writeln!(out, "| mode |{}", categories.iter().map(|c| format!(" {c} |")).collect::<String>());
+        let _ = writeln!(
+            out,
+            "| mode |{}",
+            categories.iter().map(|c| format!(" {c} |")).collect::<String>()
+        );
         let _ = writeln!(out, "|---|{}", "---:|".repeat(categories.len()));
-        for m in s.greedy.iter().filter(|m| !m.acceptance_by_category.is_empty() && m.mode.speculates()) {
-            let cells: String = categories.iter().map(|c| format!(" {} |", pct(m.acceptance_by_category.get(c).copied()))).collect();
+        for m in
+            s.greedy.iter().filter(|m| !m.acceptance_by_category.is_empty() && m.mode.speculates())
+        {
+            let cells: String = categories
+                .iter()
+                .map(|c| format!(" {} |", pct(m.acceptance_by_category.get(c).copied())))
+                .collect();
             let _ = writeln!(out, "| {} |{cells}", m.label);
         }
     }

@@ -91,8 +91,18 @@ impl<'a> Runner<'a> {
         let port = free_port()?;
         // Every request leaves a session behind (evicted LRU): a small budget keeps the verifier's
         // memory modest on a shared machine; no session is reused across requests anyway.
-        let mut args: Vec<String> =
-            ["--model", &setup.target_model, "--port", &port.to_string(), "--api-key", VERIFIER_KEY, "--cache-budget-mb", "512"].map(String::from).to_vec();
+        let mut args: Vec<String> = [
+            "--model",
+            &setup.target_model,
+            "--port",
+            &port.to_string(),
+            "--api-key",
+            VERIFIER_KEY,
+            "--cache-budget-mb",
+            "512",
+        ]
+        .map(String::from)
+        .to_vec();
         let threads = setup.verifier_threads.or(setup.pinning.as_ref().map(|_| 1));
         let threads_env = threads.map(|t| t.to_string());
         let mut env = Vec::new();
@@ -101,14 +111,32 @@ impl<'a> Runner<'a> {
             env.push(("RAYON_NUM_THREADS", t.as_str()));
         }
         let bin_dir = freeze_binaries(&setup.bin_dir, &setup.out_dir)?;
-        let (program, args) = pinned(setup.pinning.as_ref().map(|p| p.verifier_cpu), setup, bin_dir.join("spade-verifier"), args);
-        let mut verifier = Server::spawn("spade-verifier", &program, &args, &env, port, setup.out_dir.join("verifier.log"))?;
+        let (program, args) = pinned(
+            setup.pinning.as_ref().map(|p| p.verifier_cpu),
+            setup,
+            bin_dir.join("spade-verifier"),
+            args,
+        );
+        let mut verifier = Server::spawn(
+            "spade-verifier",
+            &program,
+            &args,
+            &env,
+            port,
+            setup.out_dir.join("verifier.log"),
+        )?;
         let took = verifier.wait_ready(&client, Ready::Healthy).await?;
         let cpus = cpus_of(verifier.pid()).unwrap_or_else(|| "?".into());
-        println!("verifier ready in {:.1} s (pid {}, CPUs {cpus})", took.as_secs_f64(), verifier.pid());
+        println!(
+            "verifier ready in {:.1} s (pid {}, CPUs {cpus})",
+            took.as_secs_f64(),
+            verifier.pid()
+        );
         let placement = vec![format!(
             "verifier: CPUs {cpus} (`Cpus_allowed_list`), {}",
-            threads.map_or("all cores' threads (no --threads)".to_string(), |t| format!("--threads {t}"))
+            threads.map_or("all cores' threads (no --threads)".to_string(), |t| format!(
+                "--threads {t}"
+            ))
         )];
         let link = LinkConfig { seed: Some(setup.seed), ..LinkConfig::default() };
         let proxy = spawn_proxy(format!("127.0.0.1:{port}"), link).await?;
@@ -138,8 +166,14 @@ impl<'a> Runner<'a> {
                     let gateway = self.start_gateway(*mode, rep, *n).await?;
                     if self.placement.len() == 1 {
                         let cpus = cpus_of(gateway.pid()).unwrap_or_else(|| "?".into());
-                        let threads = if self.setup.pinning.is_some() { "RAYON_NUM_THREADS=1" } else { "default threads" };
-                        self.placement.push(format!("gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"));
+                        let threads = if self.setup.pinning.is_some() {
+                            "RAYON_NUM_THREADS=1"
+                        } else {
+                            "default threads"
+                        };
+                        self.placement.push(format!(
+                            "gateways: CPUs {cpus} (`Cpus_allowed_list` of the first), {threads}"
+                        ));
                     }
                     self.estimated_done += GATEWAY_START_S;
                     gateways.push(gateway);
@@ -148,10 +182,13 @@ impl<'a> Runner<'a> {
                 let mut turn: Vec<(usize, Running)> = link
                     .iter()
                     .enumerate()
-                    .flat_map(|(g, (_, _, batches))| batches.iter().filter(timed).map(move |b| (g, b)))
+                    .flat_map(|(g, (_, _, batches))| {
+                        batches.iter().filter(timed).map(move |b| (g, b))
+                    })
                     .map(|(g, b)| (g, self.begin(b)))
                     .collect();
-                let longest = turn.iter().map(|(_, r)| r.result.batch.prompts.len()).max().unwrap_or(0);
+                let longest =
+                    turn.iter().map(|(_, r)| r.result.batch.prompts.len()).max().unwrap_or(0);
                 for k in 0..longest {
                     for i in turns(rep, k, turn.len()) {
                         let (g, running) = &mut turn[i];
@@ -182,15 +219,31 @@ impl<'a> Runner<'a> {
         let port = free_port()?;
         // Draft-only: a verifier address where nothing listens, so every request is answered by the
         // draft model alone at once (no retries to wait out).
-        let verifier_url = if mode.uses_verifier() { format!("http://{}", self.proxy.addr()) } else { format!("http://127.0.0.1:{}", free_port()?) };
-        let mut args = vec!["--draft-model".into(), self.setup.draft_model.clone(), "--verifier-url".into(), verifier_url, "--port".into(), port.to_string()];
+        let verifier_url = if mode.uses_verifier() {
+            format!("http://{}", self.proxy.addr())
+        } else {
+            format!("http://127.0.0.1:{}", free_port()?)
+        };
+        let mut args = vec![
+            "--draft-model".into(),
+            self.setup.draft_model.clone(),
+            "--verifier-url".into(),
+            verifier_url,
+            "--port".into(),
+            port.to_string(),
+        ];
         args.extend(mode.gateway_args(self.plan.auto_max_draft_len));
         let log = self.setup.out_dir.join(format!("gateway-{}-rep{rep}-{n}.log", mode.slug()));
         let mut env = vec![("SPADE_VERIFIER_API_KEY", VERIFIER_KEY)];
         if self.setup.pinning.is_some() {
             env.push(("RAYON_NUM_THREADS", "1"));
         }
-        let (program, args) = pinned(self.setup.pinning.as_ref().map(|p| p.gateway_cpu), self.setup, self.bin_dir.join("spade-gateway"), args);
+        let (program, args) = pinned(
+            self.setup.pinning.as_ref().map(|p| p.gateway_cpu),
+            self.setup,
+            self.bin_dir.join("spade-gateway"),
+            args,
+        );
         let mut gateway = Server::spawn("spade-gateway", &program, &args, &env, port, log)?;
         let ready = if mode.uses_verifier() { Ready::Healthy } else { Ready::DraftLoaded };
         gateway.wait_ready(&self.client, ready).await?;
@@ -205,7 +258,10 @@ impl<'a> Runner<'a> {
         let threshold = batch.drift_to_ms.map(|_| {
             let chars = |&i: &usize| {
                 let max = plan.max_tokens_of(batch, i);
-                self.reference_chars.get(&(plan.prompts[i].id.clone(), max)).copied().unwrap_or(4 * max as usize)
+                self.reference_chars
+                    .get(&(plan.prompts[i].id.clone(), max))
+                    .copied()
+                    .unwrap_or(4 * max as usize)
             };
             (batch.prompts.iter().map(chars).sum::<usize>() / 2).max(1)
         });
@@ -224,21 +280,41 @@ impl<'a> Runner<'a> {
     /// The batch's `k`-th request on `gateway`, at the batch's link (drift: the later RTT once the
     /// batch has switched). The servers' counters are read around the request, so batches of
     /// different gateways may take turns.
-    async fn run_request(&mut self, gateway: &Server, run: &mut Running, k: usize) -> anyhow::Result<()> {
+    async fn run_request(
+        &mut self,
+        gateway: &Server,
+        run: &mut Running,
+        k: usize,
+    ) -> anyhow::Result<()> {
         let (setup, plan) = (self.setup, self.plan);
         let Running { result, received, threshold } = run;
         let batch = &result.batch;
-        let link = |rtt_ms: u64| LinkConfig { rtt: Duration::from_millis(rtt_ms), jitter: setup.jitter, loss: setup.loss, seed: Some(setup.seed) };
+        let link = |rtt_ms: u64| LinkConfig {
+            rtt: Duration::from_millis(rtt_ms),
+            jitter: setup.jitter,
+            loss: setup.loss,
+            seed: Some(setup.seed),
+        };
         let switched_before = result.drift_switch.is_some();
-        let rtt_ms = if switched_before { batch.drift_to_ms.unwrap_or(batch.rtt_ms) } else { batch.rtt_ms };
+        let rtt_ms =
+            if switched_before { batch.drift_to_ms.unwrap_or(batch.rtt_ms) } else { batch.rtt_ms };
         self.proxy.set_link(link(rtt_ms))?;
         let i = batch.prompts[k];
         let prompt = &plan.prompts[i];
         // Seeds differ per prompt and repetition, so sampled repetitions are new samples.
         let seed = setup.seed + 1000 * u64::from(batch.rep) + i as u64;
         let max_tokens = plan.max_tokens_of(batch, i);
-        let request = ChatRequest { messages: &prompt.messages, max_tokens, temperature: batch.temperature, seed };
-        let (verifier_before, vcpu_before, gcpu_before) = (self.counters().await?, cpu_seconds(self.verifier.pid())?, cpu_seconds(gateway.pid())?);
+        let request = ChatRequest {
+            messages: &prompt.messages,
+            max_tokens,
+            temperature: batch.temperature,
+            seed,
+        };
+        let (verifier_before, vcpu_before, gcpu_before) = (
+            self.counters().await?,
+            cpu_seconds(self.verifier.pid())?,
+            cpu_seconds(gateway.pid())?,
+        );
         let started = Instant::now();
         let received_before = *received;
         let mut attempt = 0;
@@ -247,7 +323,8 @@ impl<'a> Runner<'a> {
             let proxy = &self.proxy;
             let switch = &mut result.drift_switch;
             let mut on_text = |text: &str, at_s: f64| {
-                if let (Some(threshold), Some(to), None) = (*threshold, batch.drift_to_ms, &*switch) {
+                if let (Some(threshold), Some(to), None) = (*threshold, batch.drift_to_ms, &*switch)
+                {
                     *received += text.len();
                     if *received >= threshold {
                         // The link is valid (the batch's own, another RTT): this cannot fail.
@@ -268,7 +345,10 @@ impl<'a> Runner<'a> {
                     *received = received_before;
                 }
                 Err(e) => {
-                    return Err(e.context(format!("{}, rep {}, {:?} at RTT {} ms, prompt {}", batch.mode, batch.rep, batch.kind, batch.rtt_ms, prompt.id)))
+                    return Err(e.context(format!(
+                        "{}, rep {}, {:?} at RTT {} ms, prompt {}",
+                        batch.mode, batch.rep, batch.kind, batch.rtt_ms, prompt.id
+                    )))
                 }
             }
         };
@@ -278,7 +358,9 @@ impl<'a> Runner<'a> {
         }
         // Target-only's greedy outputs place the drift switch: the same characters for every mode.
         if batch.mode == Mode::TargetOnly && batch.temperature == 0.0 {
-            self.reference_chars.entry((prompt.id.clone(), max_tokens)).or_insert(outcome.text.len());
+            self.reference_chars
+                .entry((prompt.id.clone(), max_tokens))
+                .or_insert(outcome.text.len());
         }
         result.verifier.add(&self.counters().await?.since(&verifier_before));
         result.verifier_cpu_s += cpu_seconds(self.verifier.pid())? - vcpu_before;
@@ -307,7 +389,15 @@ impl<'a> Runner<'a> {
 
     /// The verifier's counters now (read directly, not through the proxy: scrapes are not traffic).
     async fn counters(&self) -> anyhow::Result<VerifierCounters> {
-        let text = self.client.get(format!("{}/metrics", self.verifier.url)).bearer_auth(VERIFIER_KEY).send().await?.error_for_status()?.text().await?;
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.verifier.url))
+            .bearer_auth(VERIFIER_KEY)
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
         Ok(VerifierCounters::from_scrape(&Scrape::parse(&text)))
     }
 
@@ -315,7 +405,13 @@ impl<'a> Runner<'a> {
     /// start-up, updated by every pass that scored one call), or empty when it cannot be read.
     pub async fn verifier_pass_ms(&self) -> Vec<f64> {
         let info = async {
-            let r = self.client.get(format!("{}/v1/info", self.verifier.url)).bearer_auth(VERIFIER_KEY).send().await?.error_for_status()?;
+            let r = self
+                .client
+                .get(format!("{}/v1/info", self.verifier.url))
+                .bearer_auth(VERIFIER_KEY)
+                .send()
+                .await?
+                .error_for_status()?;
             anyhow::Ok(r.json::<spade_core::protocol::ModelInfo>().await?)
         };
         info.await.map(|i| i.pass_ms).unwrap_or_default()
@@ -332,7 +428,11 @@ impl<'a> Runner<'a> {
             Kind::Accounting => "accounting".to_string(),
             Kind::Sampled => format!("T={}", r.batch.temperature),
             Kind::Timing => format!("RTT {} ms", r.batch.rtt_ms),
-            Kind::Drift => format!("RTT {}->{} ms", r.batch.rtt_ms, r.batch.drift_to_ms.unwrap_or(r.batch.rtt_ms)),
+            Kind::Drift => format!(
+                "RTT {}->{} ms",
+                r.batch.rtt_ms,
+                r.batch.drift_to_ms.unwrap_or(r.batch.rtt_ms)
+            ),
         };
         println!(
             "[{:>5.1} min, ~{:.1} min left] rep {} {:<27} {:<15} {:>3} req {:>5} tok {:>5} calls {:>6.2} tok/s",
@@ -350,7 +450,12 @@ impl<'a> Runner<'a> {
 }
 
 /// `program args` as started: under `taskset -c CPU` when the run pins and `cpu` is given.
-fn pinned(cpu: Option<usize>, setup: &Setup, program: PathBuf, args: Vec<String>) -> (PathBuf, Vec<String>) {
+fn pinned(
+    cpu: Option<usize>,
+    setup: &Setup,
+    program: PathBuf,
+    args: Vec<String>,
+) -> (PathBuf, Vec<String>) {
     match (&setup.pinning, cpu) {
         (Some(p), Some(cpu)) => p.wrap(cpu, &program, &args),
         _ => (program, args),
@@ -365,7 +470,9 @@ fn freeze_binaries(from: &std::path::Path, out: &std::path::Path) -> anyhow::Res
     for name in ["spade-verifier", "spade-gateway"] {
         let (src, dst) = (from.join(name), dir.join(name));
         if std::fs::hard_link(&src, &dst).is_err() {
-            std::fs::copy(&src, &dst).with_context(|| format!("copying {} (build the workspace first)", src.display()))?;
+            std::fs::copy(&src, &dst).with_context(|| {
+                format!("copying {} (build the workspace first)", src.display())
+            })?;
         }
     }
     Ok(dir)

@@ -36,10 +36,22 @@ pub enum Ready {
 
 impl Server {
     /// Starts `program args…` with its output in `log`.
-    pub fn spawn(name: &str, program: &Path, args: &[String], envs: &[(&str, &str)], port: u16, log: PathBuf) -> anyhow::Result<Self> {
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        envs: &[(&str, &str)],
+        port: u16,
+        log: PathBuf,
+    ) -> anyhow::Result<Self> {
         let out = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
         let mut cmd = Command::new(program);
-        cmd.args(args).envs(envs.iter().copied()).env("NO_COLOR", "1").stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out);
+        cmd.args(args)
+            .envs(envs.iter().copied())
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
         // SAFETY: prctl is async-signal-safe and touches only the child. The death signal follows
         // the thread that forked; the benchmark runs on a single-threaded runtime, so that is the
         // main thread, which lives as long as the process.
@@ -58,13 +70,26 @@ impl Server {
     }
 
     /// Polls `/health` until the server is ready; fails at once if it exits.
-    pub async fn wait_ready(&mut self, client: &reqwest::Client, ready: Ready) -> anyhow::Result<Duration> {
+    pub async fn wait_ready(
+        &mut self,
+        client: &reqwest::Client,
+        ready: Ready,
+    ) -> anyhow::Result<Duration> {
         let started = Instant::now();
         while started.elapsed() < READY_TIMEOUT {
             if let Some(status) = self.child.try_wait()? {
-                bail!("{} exited with {status} while loading; last log lines:\n{}", self.name, self.log_tail(15));
+                bail!(
+                    "{} exited with {status} while loading; last log lines:\n{}",
+                    self.name,
+                    self.log_tail(15)
+                );
             }
-            if let Ok(r) = client.get(format!("{}/health", self.url)).timeout(Duration::from_secs(5)).send().await {
+            if let Ok(r) = client
+                .get(format!("{}/health", self.url))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await
+            {
                 let ok = r.status().is_success();
                 let body: serde_json::Value = r.json().await.unwrap_or_default();
                 let draft_loaded = body.get("draft_model").is_some_and(|m| !m.is_null());

@@ -105,17 +105,36 @@ pub struct Summary {
 }
 
 /// Every figure of a run.
-pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift: Option<Drift>) -> Summary {
+pub fn summarise(
+    results: &[BatchResult],
+    modes: &[Mode],
+    rtts_ms: &[u64],
+    drift: Option<Drift>,
+) -> Summary {
     let mut warnings = Vec::new();
-    let of = |mode: Mode, kind: Kind| results.iter().filter(move |b| b.batch.mode == mode && b.batch.kind == kind).collect::<Vec<_>>();
+    let of = |mode: Mode, kind: Kind| {
+        results
+            .iter()
+            .filter(move |b| b.batch.mode == mode && b.batch.kind == kind)
+            .collect::<Vec<_>>()
+    };
     let records = |mode: Mode, kind: Kind, rtt_ms: u64| -> Vec<&Record> {
-        results.iter().filter(|b| b.batch.mode == mode && b.batch.kind == kind && b.batch.rtt_ms == rtt_ms).flat_map(|b| &b.records).collect()
+        results
+            .iter()
+            .filter(|b| b.batch.mode == mode && b.batch.kind == kind && b.batch.rtt_ms == rtt_ms)
+            .flat_map(|b| &b.records)
+            .collect()
     };
 
     // Target-only's greedy outputs, the reference for every other mode; it must agree with itself.
     let mut outputs: Outputs = HashMap::new();
-    for r in results.iter().filter(|b| b.batch.mode == Mode::TargetOnly && b.batch.temperature == 0.0).flat_map(|b| &b.records) {
-        let seen = *outputs.entry((r.prompt_id.as_str(), r.max_tokens)).or_insert(r.outcome.text.as_str());
+    for r in results
+        .iter()
+        .filter(|b| b.batch.mode == Mode::TargetOnly && b.batch.temperature == 0.0)
+        .flat_map(|b| &b.records)
+    {
+        let seen =
+            *outputs.entry((r.prompt_id.as_str(), r.max_tokens)).or_insert(r.outcome.text.as_str());
         if seen != r.outcome.text {
             warnings.push(format!(
                 "target-only's own greedy output of {} ({} tokens) differs between requests: the reference is the first",
@@ -129,9 +148,12 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
 
     let mut sections = Vec::new();
     for kind in [Kind::Accounting, Kind::Sampled] {
-        let target_records: Vec<&Record> = of(Mode::TargetOnly, kind).into_iter().flat_map(|b| &b.records).collect();
-        let calls_per_token =
-            ratio(target_records.iter().map(|r| r.outcome.verify_calls as f64).sum(), target_records.iter().map(|r| r.outcome.completion_tokens as f64).sum());
+        let target_records: Vec<&Record> =
+            of(Mode::TargetOnly, kind).into_iter().flat_map(|b| &b.records).collect();
+        let calls_per_token = ratio(
+            target_records.iter().map(|r| r.outcome.verify_calls as f64).sum(),
+            target_records.iter().map(|r| r.outcome.completion_tokens as f64).sum(),
+        );
         if target_records.is_empty() && results.iter().any(|b| b.batch.kind == kind) {
             warnings.push(format!("no target-only {kind:?} batch: calls saved are not computed"));
         }
@@ -139,7 +161,13 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
         for &mode in modes {
             let batches = of(mode, kind);
             let Some(first) = batches.first() else { continue };
-            rows.push(mode_summary(mode, first.batch.temperature, &batches, calls_per_token, &outputs));
+            rows.push(mode_summary(
+                mode,
+                first.batch.temperature,
+                &batches,
+                calls_per_token,
+                &outputs,
+            ));
         }
         sections.push(rows);
     }
@@ -150,7 +178,12 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
         .iter()
         .filter(|m| m.speculates() || **m == Mode::DraftOnly)
         .map(|&mode| {
-            let greedy_of = |kind| of(mode, kind).into_iter().filter(|b| b.batch.temperature == 0.0).flat_map(|b| &b.records);
+            let greedy_of = |kind| {
+                of(mode, kind)
+                    .into_iter()
+                    .filter(|b| b.batch.temperature == 0.0)
+                    .flat_map(|b| &b.records)
+            };
             ModeIdentity {
                 mode,
                 label: mode.to_string(),
@@ -171,26 +204,48 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
                 b.batch.mode, b.batch.kind, b.batch.rep, b.batch.rtt_ms, b.verifier.calls
             ));
         }
-        let degraded = b.records.iter().filter(|r| r.outcome.degraded != (b.batch.mode == Mode::DraftOnly)).count();
+        let degraded = b
+            .records
+            .iter()
+            .filter(|r| r.outcome.degraded != (b.batch.mode == Mode::DraftOnly))
+            .count();
         if degraded > 0 {
-            warnings.push(format!("{} {:?} rep {}: {degraded} answers with an unexpected `degraded` flag", b.batch.mode, b.batch.kind, b.batch.rep));
+            warnings.push(format!(
+                "{} {:?} rep {}: {degraded} answers with an unexpected `degraded` flag",
+                b.batch.mode, b.batch.kind, b.batch.rep
+            ));
         }
         if b.batch.kind == Kind::Drift && b.drift_switch.is_none() {
-            warnings.push(format!("{} drift rep {}: the link never changed (the output was shorter than expected)", b.batch.mode, b.batch.rep));
+            warnings.push(format!(
+                "{} drift rep {}: the link never changed (the output was shorter than expected)",
+                b.batch.mode, b.batch.rep
+            ));
         }
     }
 
     // Long outputs: how many tokens the long prompts really produced.
     let mut long_outputs: BTreeMap<(String, u32), (Option<u64>, u64)> = BTreeMap::new();
-    for r in results.iter().filter(|b| matches!(b.batch.kind, Kind::Timing | Kind::Drift) && b.batch.temperature == 0.0).flat_map(|b| &b.records) {
+    for r in results
+        .iter()
+        .filter(|b| {
+            matches!(b.batch.kind, Kind::Timing | Kind::Drift) && b.batch.temperature == 0.0
+        })
+        .flat_map(|b| &b.records)
+    {
         let e = long_outputs.entry((r.prompt_id.clone(), r.max_tokens)).or_insert((None, u64::MAX));
         if r.mode == Mode::TargetOnly {
             e.0.get_or_insert(r.outcome.completion_tokens);
         }
         e.1 = e.1.min(r.outcome.completion_tokens);
     }
-    let long_outputs: Vec<LongOutput> =
-        long_outputs.into_iter().map(|((prompt_id, max_tokens), (target, min))| LongOutput { prompt_id, max_tokens, tokens: target.unwrap_or(min) }).collect();
+    let long_outputs: Vec<LongOutput> = long_outputs
+        .into_iter()
+        .map(|((prompt_id, max_tokens), (target, min))| LongOutput {
+            prompt_id,
+            max_tokens,
+            tokens: target.unwrap_or(min),
+        })
+        .collect();
     for l in long_outputs.iter().filter(|l| l.tokens < u64::from(LONG_MIN_TOKENS)) {
         warnings.push(format!(
             "long prompt {} produced {} tokens (< {LONG_MIN_TOKENS}; asked {}): its timing is less dominated by decoding",
@@ -199,7 +254,10 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
     }
 
     let paired = |a: AutoVsFixed, kind: Kind, rtt: u64| AutoVsFixed {
-        paired_vs_best: paired_by_rep(&records(Mode::Auto, kind, rtt), &records(Mode::Speculative(a.best_fixed), kind, rtt)),
+        paired_vs_best: paired_by_rep(
+            &records(Mode::Auto, kind, rtt),
+            &records(Mode::Speculative(a.best_fixed), kind, rtt),
+        ),
         ..a
     };
     let mut speed = Vec::new();
@@ -226,15 +284,32 @@ pub fn summarise(results: &[BatchResult], modes: &[Mode], rtts_ms: &[u64], drift
             .filter_map(|&mode| {
                 let recs = records(mode, Kind::Drift, d.from_ms);
                 (!recs.is_empty()).then(|| {
-                    let switches: Vec<DriftSwitch> = of(mode, Kind::Drift).iter().filter_map(|b| b.drift_switch).collect();
+                    let switches: Vec<DriftSwitch> =
+                        of(mode, Kind::Drift).iter().filter_map(|b| b.drift_switch).collect();
                     let at: Vec<f64> = switches.iter().map(|s| s.at_s).collect();
-                    let share: Vec<f64> = switches.iter().filter_map(|s| s.share_of_request).collect();
-                    SpeedRow { switch_at_s: median(&at), switch_share: median(&share), ..speed_row(mode, d.from_ms, Some(d.to_ms), &recs) }
+                    let share: Vec<f64> =
+                        switches.iter().filter_map(|s| s.share_of_request).collect();
+                    SpeedRow {
+                        switch_at_s: median(&at),
+                        switch_share: median(&share),
+                        ..speed_row(mode, d.from_ms, Some(d.to_ms), &recs)
+                    }
                 })
             })
             .collect();
         against_target_only(&mut drift_rows);
         auto_vs.extend(auto_vs_fixed(&drift_rows).map(|a| paired(a, Kind::Drift, d.from_ms)));
     }
-    Summary { greedy, sampled, speed, drift: drift_rows, auto_vs_fixed: auto_vs, vs_target_only: vs_target, identity, long_outputs, lossless, warnings }
+    Summary {
+        greedy,
+        sampled,
+        speed,
+        drift: drift_rows,
+        auto_vs_fixed: auto_vs,
+        vs_target_only: vs_target,
+        identity,
+        long_outputs,
+        lossless,
+        warnings,
+    }
 }

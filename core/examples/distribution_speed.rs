@@ -16,11 +16,22 @@ fn main() {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (state >> 40) as f32 / (1u64 << 24) as f32
     };
-    let logits: Vec<f32> = (0..151_936).map(|i| if i % 5000 == 0 { 20.0 + next() * 5.0 } else { next() * 12.0 - 6.0 }).collect();
+    let logits: Vec<f32> = (0..151_936)
+        .map(|i| if i % 5000 == 0 { 20.0 + next() * 5.0 } else { next() * 12.0 - 6.0 })
+        .collect();
     for (name, params) in [
-        ("temperature 0.8, top_p 0.95", SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 0, min_p: 0.0 }),
-        ("temperature 1, top_p 1", SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0 }),
-        ("temperature 0.8, top_k 40", SamplingParams { temperature: 0.8, top_p: 1.0, top_k: 40, min_p: 0.0 }),
+        (
+            "temperature 0.8, top_p 0.95",
+            SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 0, min_p: 0.0 },
+        ),
+        (
+            "temperature 1, top_p 1",
+            SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, min_p: 0.0 },
+        ),
+        (
+            "temperature 0.8, top_k 40",
+            SamplingParams { temperature: 0.8, top_p: 1.0, top_k: 40, min_p: 0.0 },
+        ),
     ] {
         let mut times: Vec<f64> = Vec::new();
         let mut kept = 0;

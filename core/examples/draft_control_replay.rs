@@ -40,9 +40,12 @@ fn choose_ahead(controller: &mut DraftController, round: &RoundRecord) {
 fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("usage: draft_control_replay GATEWAY_LOG [--pass-ms=A,B,…]");
-    let given: Option<Vec<f64>> = args
-        .find_map(|a| a.strip_prefix("--pass-ms=").map(str::to_string))
-        .map(|list| list.split(',').map(|ms| ms.parse::<f64>().expect("--pass-ms=A,B,… in milliseconds") / 1e3).collect());
+    let given: Option<Vec<f64>> =
+        args.find_map(|a| a.strip_prefix("--pass-ms=").map(str::to_string)).map(|list| {
+            list.split(',')
+                .map(|ms| ms.parse::<f64>().expect("--pass-ms=A,B,… in milliseconds") / 1e3)
+                .collect()
+        });
     let text = std::fs::read_to_string(&path).expect("a readable gateway log");
 
     let mut gateway = Estimates::default();
@@ -52,18 +55,25 @@ fn main() {
     let mut generation: Option<DraftController> = None;
     let (mut rounds, mut agreed) = (0, 0);
     for line in text.lines() {
-        if let Some(pass_s) = line.contains("draft-length model seeded").then(|| pass_times(line)).flatten() {
+        if let Some(pass_s) =
+            line.contains("draft-length model seeded").then(|| pass_times(line)).flatten()
+        {
             gateway.seed_verifier_passes(&pass_s);
-            println!("seeded: pass_ms {:?}", pass_s.iter().map(|s| (s * 1e3).round()).collect::<Vec<_>>());
+            println!(
+                "seeded: pass_ms {:?}",
+                pass_s.iter().map(|s| (s * 1e3).round()).collect::<Vec<_>>()
+            );
             continue;
         }
         let Some(round) = RoundRecord::from_log_line(line) else { continue };
-        let round = round.unwrap_or_else(|e| panic!("a round record this build cannot read ({e}): {line}"));
+        let round =
+            round.unwrap_or_else(|e| panic!("a round record this build cannot read ({e}): {line}"));
         let verifier = round.verifier_us.map(Duration::from_micros);
         if round.first_call {
             // A new generation: its controller starts from what the gateway has learned so far. The
             // prompt's call sends no drafts and teaches only the link.
-            let mut controller = DraftController::new(round.max_draft, round.draft_ahead, gateway.clone());
+            let mut controller =
+                DraftController::new(round.max_draft, round.draft_ahead, gateway.clone());
             choose_ahead(&mut controller, &round);
             if let Some(verifier) = verifier {
                 let call = Duration::from_micros(round.call_us);
@@ -82,7 +92,9 @@ fn main() {
         rounds += 1;
         agreed += usize::from(replayed == round.chosen);
         let estimates = controller.estimates();
-        let v: Vec<String> = (1..=round.max_draft + 1).map(|rows| format!("{:.0}", estimates.verify_time(rows) * 1e3)).collect();
+        let v: Vec<String> = (1..=round.max_draft + 1)
+            .map(|rows| format!("{:.0}", estimates.verify_time(rows) * 1e3))
+            .collect();
         println!(
             "chosen {} replayed {replayed}{} | sent {} accepted {} verifier {} ms | model: V(1..) {} ms, rtt {:.0} ms, draft step {:.0} ms, beta {:.2}, acceptance {:.3} (chosen with {:.3})",
             round.chosen,

@@ -24,9 +24,15 @@ pub fn chat_key(turns: &[Turn], tools: &[ToolSpec]) -> String {
         h.write(serde_json::to_string(tool).unwrap_or_default().as_bytes());
         h.separator();
     }
-    let opening = turns.iter().position(|t| t.role == Some(Role::User)).map_or(turns.len(), |i| i + 1);
+    let opening =
+        turns.iter().position(|t| t.role == Some(Role::User)).map_or(turns.len(), |i| i + 1);
     for turn in &turns[..opening] {
-        h.write(turn.role.map(|r| serde_json::to_string(&r).unwrap_or_default()).unwrap_or_default().as_bytes());
+        h.write(
+            turn.role
+                .map(|r| serde_json::to_string(&r).unwrap_or_default())
+                .unwrap_or_default()
+                .as_bytes(),
+        );
         h.separator();
         h.write(turn.content.as_bytes());
         h.separator();
@@ -79,7 +85,10 @@ mod tests {
     use super::*;
 
     fn chat(n: usize) -> Vec<Turn> {
-        let mut turns = vec![Turn::new(Role::System, "You are a coding agent."), Turn::new(Role::User, "Fix the bug in parse().")];
+        let mut turns = vec![
+            Turn::new(Role::System, "You are a coding agent."),
+            Turn::new(Role::User, "Fix the bug in parse()."),
+        ];
         for i in 0..n {
             turns.push(Turn::new(Role::Assistant, format!("answer {i}")));
             turns.push(Turn::new(Role::User, format!("follow-up {i}")));
@@ -106,7 +115,10 @@ mod tests {
         let mut system = chat(2);
         system[0].content = "You are a reviewer.".into();
         assert_ne!(chat_key(&system, &[]), key, "another system prompt");
-        let tool: ToolSpec = serde_json::from_str(r#"{"type":"function","function":{"name":"read_file","parameters":{"type":"object"}}}"#).unwrap();
+        let tool: ToolSpec = serde_json::from_str(
+            r#"{"type":"function","function":{"name":"read_file","parameters":{"type":"object"}}}"#,
+        )
+        .unwrap();
         assert_ne!(chat_key(&chat(2), &[tool]), key, "tools");
         // Field boundaries count: moving text between fields changes the key.
         let a = [Turn::new(Role::User, "ab")];

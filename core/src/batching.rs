@@ -184,7 +184,13 @@ impl Default for PassTimes {
 /// about that time plus its own rows, instead of all of them timing out behind a queue of
 /// prompts. Before the first pass the cost is unknown and every call joins; `max_backlog_secs`
 /// 0 turns the check off.
-pub fn admit(call: Waiting, backlog_rows: usize, cost: &RowCost, limits: &PassLimits, max_backlog_secs: f64) -> Result<(), u64> {
+pub fn admit(
+    call: Waiting,
+    backlog_rows: usize,
+    cost: &RowCost,
+    limits: &PassLimits,
+    max_backlog_secs: f64,
+) -> Result<(), u64> {
     let prefill = call.pending.saturating_sub(call.tail);
     let Some(per_row) = cost.seconds_per_row() else { return Ok(()) };
     if max_backlog_secs <= 0.0 || prefill <= limits.prefill_chunk {
@@ -229,10 +235,17 @@ impl PromptLine {
     /// `decide` (usually [`admit`]) for a call of `session` bringing `pending` rows, given the rows of
     /// the prompts waiting before it (to be added to the backlog); a call turned away keeps (or takes)
     /// its place, one taken leaves the line.
-    pub fn take_turn(&mut self, session: Option<&str>, pending: usize, now: Instant, decide: impl FnOnce(usize) -> Result<(), u64>) -> Result<(), u64> {
+    pub fn take_turn(
+        &mut self,
+        session: Option<&str>,
+        pending: usize,
+        now: Instant,
+        decide: impl FnOnce(usize) -> Result<(), u64>,
+    ) -> Result<(), u64> {
         self.places.retain(|p| p.expires > now);
         let at = session.and_then(|s| self.places.iter().position(|p| p.session == s));
-        let ahead: usize = self.places.iter().take(at.unwrap_or(self.places.len())).map(|p| p.rows).sum();
+        let ahead: usize =
+            self.places.iter().take(at.unwrap_or(self.places.len())).map(|p| p.rows).sum();
         let answer = decide(ahead);
         match (answer, at, session) {
             (Ok(()), Some(i), _) => {
@@ -243,7 +256,11 @@ impl PromptLine {
                 self.places[i].expires = place_expires(now, retry_after);
             }
             (Err(retry_after), None, Some(session)) if self.places.len() < LINE_PLACES => {
-                self.places.push_back(Place { session: session.to_owned(), rows: pending, expires: place_expires(now, retry_after) });
+                self.places.push_back(Place {
+                    session: session.to_owned(),
+                    rows: pending,
+                    expires: place_expires(now, retry_after),
+                });
             }
             _ => {}
         }
@@ -339,7 +356,11 @@ mod tests {
             (seed >> 33) as usize % n
         };
         for _ in 0..2000 {
-            let limits = PassLimits { max_rows: 17 + next(150), max_sessions: 1 + next(16), prefill_chunk: 1 + next(64) };
+            let limits = PassLimits {
+                max_rows: 17 + next(150),
+                max_sessions: 1 + next(16),
+                prefill_chunk: 1 + next(64),
+            };
             if limits.check(17).is_err() {
                 continue;
             }
@@ -369,10 +390,18 @@ mod tests {
         }
         times.observe(0, 1.0);
         times.observe(3, 1.0);
-        assert_eq!(times.milliseconds(), vec![50.0, 90.0], "untimed sizes and nonsense are not learnt");
+        assert_eq!(
+            times.milliseconds(),
+            vec![50.0, 90.0],
+            "untimed sizes and nonsense are not learnt"
+        );
         // A slower pass of 2 rows moves 1 row's time too, through the pace.
         times.observe(2, 0.1);
-        assert!((times.milliseconds()[0] - 50.0 * (1.0 + 0.1 * (100.0 / 90.0 - 1.0))).abs() < 1e-9, "{:?}", times.milliseconds());
+        assert!(
+            (times.milliseconds()[0] - 50.0 * (1.0 + 0.1 * (100.0 / 90.0 - 1.0))).abs() < 1e-9,
+            "{:?}",
+            times.milliseconds()
+        );
         assert!(PassTimes::default().milliseconds().is_empty());
         assert_eq!(PassTimes::new(&[ms(0), ms(90)]).milliseconds(), vec![0.0, 90.0]);
     }
@@ -412,8 +441,17 @@ mod tests {
         assert_eq!(admit(prompt, 1000, &cost, &LIMITS, 0.0), Ok(()), "0 turns the check off");
     }
 
-    fn turn(line: &mut PromptLine, session: Option<&str>, call: Waiting, backlog: usize, cost: &RowCost, now: Instant) -> Result<(), u64> {
-        line.take_turn(session, call.pending, now, |ahead| admit(call, backlog + ahead, cost, &LIMITS, 20.0))
+    fn turn(
+        line: &mut PromptLine,
+        session: Option<&str>,
+        call: Waiting,
+        backlog: usize,
+        cost: &RowCost,
+        now: Instant,
+    ) -> Result<(), u64> {
+        line.take_turn(session, call.pending, now, |ahead| {
+            admit(call, backlog + ahead, cost, &LIMITS, 20.0)
+        })
     }
 
     #[test]
@@ -424,7 +462,11 @@ mod tests {
         let at = |s: u64| t0 + Duration::from_secs(s);
         // 300 rows (30 s) waiting: a, then b, are turned away and take places in that order.
         assert_eq!(turn(&mut line, Some("a"), prompt, 300, &cost, at(0)), Err(10));
-        assert_eq!(turn(&mut line, Some("b"), prompt, 300, &cost, at(0)), Err(20), "a's 100 rows are ahead of b");
+        assert_eq!(
+            turn(&mut line, Some("b"), prompt, 300, &cost, at(0)),
+            Err(20),
+            "a's 100 rows are ahead of b"
+        );
         assert_eq!(line.len(), 2);
         // The backlog drains to 150 rows (15 s): room for one prompt. b asks first and still waits for a.
         assert_eq!(turn(&mut line, Some("b"), prompt, 150, &cost, at(5)), Err(5));

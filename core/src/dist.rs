@@ -68,7 +68,11 @@ impl SparseDist {
     /// normalising them to sum to 1.
     pub(crate) fn from_weights(weights: Vec<(u32, f64)>) -> Self {
         let sum: f64 = weights.iter().map(|&(_, w)| w).sum();
-        let mut entries: Vec<(u32, f32)> = weights.into_iter().map(|(t, w)| (t, (w / sum) as f32)).filter(|&(_, p)| p > 0.0).collect();
+        let mut entries: Vec<(u32, f32)> = weights
+            .into_iter()
+            .map(|(t, w)| (t, (w / sum) as f32))
+            .filter(|&(_, p)| p > 0.0)
+            .collect();
         entries.sort_unstable_by_key(|&(t, _)| t);
         let total = entries.iter().map(|&(_, p)| p as f64).sum();
         Self { entries, total }
@@ -129,11 +133,17 @@ impl SparseDist {
     /// is drawn from and sent is small and exact; a dropped entry costs at most 1/4096 of acceptance.
     pub fn quantized(&self) -> Self {
         let units = Q_UNITS as f64;
-        let scaled: Vec<(u32, f64)> = self.entries.iter().map(|&(t, p)| (t, p as f64 / self.total * units)).collect();
-        let mut counts: Vec<(u32, u32)> = scaled.iter().map(|&(t, x)| (t, x.floor() as u32)).collect();
+        let scaled: Vec<(u32, f64)> =
+            self.entries.iter().map(|&(t, p)| (t, p as f64 / self.total * units)).collect();
+        let mut counts: Vec<(u32, u32)> =
+            scaled.iter().map(|&(t, x)| (t, x.floor() as u32)).collect();
         let short = Q_UNITS - counts.iter().map(|c| c.1).sum::<u32>();
         let mut by_remainder: Vec<usize> = (0..scaled.len()).collect();
-        by_remainder.sort_by(|&a, &b| (scaled[b].1 - scaled[b].1.floor()).total_cmp(&(scaled[a].1 - scaled[a].1.floor())).then(a.cmp(&b)));
+        by_remainder.sort_by(|&a, &b| {
+            (scaled[b].1 - scaled[b].1.floor())
+                .total_cmp(&(scaled[a].1 - scaled[a].1.floor()))
+                .then(a.cmp(&b))
+        });
         for &i in by_remainder.iter().take(short as usize) {
             counts[i].1 += 1;
         }
@@ -142,7 +152,11 @@ impl SparseDist {
 
     /// Probabilities `count / Q_UNITS` from counts summing to [`Q_UNITS`] (zero counts dropped).
     fn from_counts(counts: Vec<(u32, u32)>) -> Self {
-        let entries: Vec<(u32, f32)> = counts.into_iter().filter(|c| c.1 > 0).map(|(t, c)| (t, c as f32 / Q_UNITS as f32)).collect();
+        let entries: Vec<(u32, f32)> = counts
+            .into_iter()
+            .filter(|c| c.1 > 0)
+            .map(|(t, c)| (t, c as f32 / Q_UNITS as f32))
+            .collect();
         Self { entries, total: 1.0 }
     }
 
@@ -176,12 +190,30 @@ mod tests {
     fn rejects_malformed() {
         assert_eq!(SparseDist::new(vec![], None), Err(DistError::Empty));
         assert_eq!(SparseDist::new(vec![(1, 0.0)], None), Err(DistError::Empty));
-        assert!(matches!(SparseDist::new(vec![(1, f32::NAN)], None), Err(DistError::InvalidProb { .. })));
-        assert!(matches!(SparseDist::new(vec![(1, f32::INFINITY)], None), Err(DistError::InvalidProb { .. })));
-        assert!(matches!(SparseDist::new(vec![(1, -0.5), (2, 1.5)], None), Err(DistError::InvalidProb { .. })));
-        assert_eq!(SparseDist::new(vec![(3, 0.5), (3, 0.5)], None), Err(DistError::Duplicate { token: 3 }));
-        assert!(matches!(SparseDist::new(vec![(1, 0.5), (2, 0.4)], None), Err(DistError::NotNormalized { .. })));
-        assert_eq!(SparseDist::new(vec![(10, 1.0)], Some(10)), Err(DistError::OutOfVocab { token: 10, vocab_size: 10 }));
+        assert!(matches!(
+            SparseDist::new(vec![(1, f32::NAN)], None),
+            Err(DistError::InvalidProb { .. })
+        ));
+        assert!(matches!(
+            SparseDist::new(vec![(1, f32::INFINITY)], None),
+            Err(DistError::InvalidProb { .. })
+        ));
+        assert!(matches!(
+            SparseDist::new(vec![(1, -0.5), (2, 1.5)], None),
+            Err(DistError::InvalidProb { .. })
+        ));
+        assert_eq!(
+            SparseDist::new(vec![(3, 0.5), (3, 0.5)], None),
+            Err(DistError::Duplicate { token: 3 })
+        );
+        assert!(matches!(
+            SparseDist::new(vec![(1, 0.5), (2, 0.4)], None),
+            Err(DistError::NotNormalized { .. })
+        ));
+        assert_eq!(
+            SparseDist::new(vec![(10, 1.0)], Some(10)),
+            Err(DistError::OutOfVocab { token: 10, vocab_size: 10 })
+        );
     }
 
     #[test]
@@ -190,7 +222,11 @@ mod tests {
         let q = d.quantized();
         let counts = q.counts().unwrap();
         assert_eq!(counts.iter().map(|c| c.1).sum::<u32>(), Q_UNITS);
-        assert_eq!(counts.iter().map(|c| c.0).collect::<Vec<_>>(), vec![1, 4, 9], "0.0001 rounds to no units");
+        assert_eq!(
+            counts.iter().map(|c| c.0).collect::<Vec<_>>(),
+            vec![1, 4, 9],
+            "0.0001 rounds to no units"
+        );
         for &(t, _) in q.entries() {
             assert!((q.prob(t) - d.prob(t)).abs() <= 1.0 / Q_UNITS as f64);
         }

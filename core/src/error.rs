@@ -23,7 +23,14 @@ pub struct ErrorDetail {
 
 impl ErrorBody {
     pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
-        Self { error: ErrorDetail { message: message.into(), kind: kind.into(), param: None, code: None } }
+        Self {
+            error: ErrorDetail {
+                message: message.into(),
+                kind: kind.into(),
+                param: None,
+                code: None,
+            },
+        }
     }
 
     pub fn with_param(mut self, param: impl Into<String>) -> Self {

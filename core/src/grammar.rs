@@ -40,14 +40,19 @@ impl GrammarConstraint {
     }
 
     fn from_top_level(grammar: TopLevelGrammar, start: u32) -> Self {
-        Self { grammar: serde_json::to_value(grammar).expect("llguidance grammars serialise"), start }
+        Self {
+            grammar: serde_json::to_value(grammar).expect("llguidance grammars serialise"),
+            start,
+        }
     }
 }
 
 /// OpenAI's `response_format` as an llguidance grammar document: None for plain text (`null` or
 /// `{"type": "text"}`); `json_object` is any JSON object; `json_schema` is its `schema` (any JSON
 /// value when it has none), enforced whether `strict` is set or not. Errors are `(param, message)`.
-pub fn response_format_grammar(format: &serde_json::Value) -> Result<Option<serde_json::Value>, (String, String)> {
+pub fn response_format_grammar(
+    format: &serde_json::Value,
+) -> Result<Option<serde_json::Value>, (String, String)> {
     let err = |param: &str, message: &str| Err((param.to_string(), message.to_string()));
     if format.is_null() {
         return Ok(None);
@@ -60,15 +65,28 @@ pub fn response_format_grammar(format: &serde_json::Value) -> Result<Option<serd
                 return err("response_format.json_schema", "response_format of type json_schema needs a json_schema object with a name and a schema");
             };
             if spec.get("name").and_then(|n| n.as_str()).is_none_or(str::is_empty) {
-                return err("response_format.json_schema.name", "json_schema.name must be a non-empty string");
+                return err(
+                    "response_format.json_schema.name",
+                    "json_schema.name must be a non-empty string",
+                );
             }
             match spec.get("schema") {
                 None | Some(serde_json::Value::Null) => serde_json::json!({}),
                 Some(s) if s.is_object() || s.is_boolean() => s.clone(),
-                Some(_) => return err("response_format.json_schema.schema", "json_schema.schema must be a JSON Schema object"),
+                Some(_) => {
+                    return err(
+                        "response_format.json_schema.schema",
+                        "json_schema.schema must be a JSON Schema object",
+                    )
+                }
             }
         }
-        _ => return err("response_format.type", "response_format.type must be \"text\", \"json_object\" or \"json_schema\""),
+        _ => {
+            return err(
+                "response_format.type",
+                "response_format.type must be \"text\", \"json_object\" or \"json_schema\"",
+            )
+        }
     };
     Ok(Some(GrammarConstraint::json_schema(schema, 0).grammar))
 }
@@ -125,18 +143,33 @@ impl Vocabulary {
     /// `tokens[i]` is token i as the GGUF spells it; `width` is the logits' width (padding ids past
     /// the token list are never allowed); `stop` the ids that end a generation, all allowed once the
     /// grammar is complete.
-    pub fn new(tokens: &[String], kinds: &[TokenKind], spelling: Spelling, width: u32, stop: &[u32]) -> Result<Self, GrammarError> {
+    pub fn new(
+        tokens: &[String],
+        kinds: &[TokenKind],
+        spelling: Spelling,
+        width: u32,
+        stop: &[u32],
+    ) -> Result<Self, GrammarError> {
         if tokens.len() > width as usize || stop.is_empty() || stop.iter().any(|&s| s >= width) {
-            return Err(GrammarError::Engine(format!("{} tokens, logits of width {width}, stop ids {stop:?}", tokens.len())));
+            return Err(GrammarError::Engine(format!(
+                "{} tokens, logits of width {width}, stop ids {stop:?}",
+                tokens.len()
+            )));
         }
         let unicode_to_byte = byte_level_alphabet();
         let mut words: Vec<Vec<u8>> = tokens
             .iter()
             .enumerate()
             .map(|(i, text)| match (kinds.get(i).copied().unwrap_or(TokenKind::Normal), spelling) {
-                (TokenKind::Special, _) => [&[TokTrie::SPECIAL_TOKEN_MARKER], text.as_bytes()].concat(),
-                (TokenKind::Byte, _) => sentencepiece_byte(text).map(|b| vec![b]).unwrap_or_else(|| text.as_bytes().to_vec()),
-                (TokenKind::Normal, Spelling::SentencePiece) => text.replace('\u{2581}', " ").into_bytes(),
+                (TokenKind::Special, _) => {
+                    [&[TokTrie::SPECIAL_TOKEN_MARKER], text.as_bytes()].concat()
+                }
+                (TokenKind::Byte, _) => sentencepiece_byte(text)
+                    .map(|b| vec![b])
+                    .unwrap_or_else(|| text.as_bytes().to_vec()),
+                (TokenKind::Normal, Spelling::SentencePiece) => {
+                    text.replace('\u{2581}', " ").into_bytes()
+                }
                 (TokenKind::Normal, Spelling::ByteLevel) => {
                     let mut bytes = Vec::with_capacity(text.len());
                     for c in text.chars() {
@@ -153,15 +186,18 @@ impl Vocabulary {
         words.resize(width as usize, Vec::new());
         let trie = TokTrie::from(&TokRxInfo::new(width, stop[0]), &words).with_eos_tokens(stop);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Engine(e.to_string()))?;
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Engine(e.to_string()))?;
         factory.quiet();
         Ok(Self { factory: Arc::new(factory) })
     }
 
     /// Compiles a grammar document; errors name what is wrong with it.
     pub fn compile(&self, grammar: &serde_json::Value) -> Result<Grammar, GrammarError> {
-        let top: TopLevelGrammar = serde_json::from_value(grammar.clone()).map_err(|e| GrammarError::Invalid(e.to_string()))?;
-        let parser = self.factory.create_parser(top).map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let top: TopLevelGrammar = serde_json::from_value(grammar.clone())
+            .map_err(|e| GrammarError::Invalid(e.to_string()))?;
+        let parser =
+            self.factory.create_parser(top).map_err(|e| GrammarError::Invalid(e.to_string()))?;
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(e) => Err(GrammarError::Invalid(e)),
@@ -254,7 +290,10 @@ impl GrammarState {
         if self.matcher.is_stopped() {
             return Ok(false);
         }
-        let taken = self.matcher.try_consume_tokens(&[token]).map_err(|e| GrammarError::Engine(e.to_string()))?;
+        let taken = self
+            .matcher
+            .try_consume_tokens(&[token])
+            .map_err(|e| GrammarError::Engine(e.to_string()))?;
         if taken == 1 {
             self.consumed.push(token);
         }
@@ -273,7 +312,11 @@ impl GrammarState {
     /// Masks a block's rows: row i with the state after the block's drafts `..i`. Rows after a draft
     /// the grammar refuses get that draft's row mask (the rule never looks past a refused draft, whose
     /// p is 0). The state is left where it was.
-    pub fn mask_block(&mut self, rows: &mut [Vec<f32>], drafts: &[u32]) -> Result<(), GrammarError> {
+    pub fn mask_block(
+        &mut self,
+        rows: &mut [Vec<f32>],
+        drafts: &[u32],
+    ) -> Result<(), GrammarError> {
         let mut pushed = 0;
         let mut allowed = self.allowed()?;
         let last = rows.len().saturating_sub(1);
@@ -307,14 +350,23 @@ mod tests {
     /// Single characters, a few words, two stop tokens: enough to spell JSON several ways.
     fn vocabulary() -> (Vocabulary, Vec<String>) {
         let mut tokens: Vec<String> = (b' '..=b'~').map(|b| (b as char).to_string()).collect();
-        tokens.extend(["\n", "{\"", "\":", "true", "false", "<|end|>", "<|stop|>"].map(String::from));
+        tokens
+            .extend(["\n", "{\"", "\":", "true", "false", "<|end|>", "<|stop|>"].map(String::from));
         let mut kinds = vec![TokenKind::Normal; tokens.len()];
         let n = tokens.len();
         kinds[n - 2] = TokenKind::Special;
         kinds[n - 1] = TokenKind::Special;
         // Byte-level spelling: a space is 'Ġ' (U+0120), a newline 'Ċ' (U+010A).
-        let spelt: Vec<String> = tokens.iter().map(|t| t.replace(' ', "\u{120}").replace('\n', "\u{10A}")).collect();
-        let vocab = Vocabulary::new(&spelt, &kinds, Spelling::ByteLevel, n as u32 + 3, &[n as u32 - 2, n as u32 - 1]).unwrap();
+        let spelt: Vec<String> =
+            tokens.iter().map(|t| t.replace(' ', "\u{120}").replace('\n', "\u{10A}")).collect();
+        let vocab = Vocabulary::new(
+            &spelt,
+            &kinds,
+            Spelling::ByteLevel,
+            n as u32 + 3,
+            &[n as u32 - 2, n as u32 - 1],
+        )
+        .unwrap();
         (vocab, tokens)
     }
 
@@ -324,7 +376,12 @@ mod tests {
 
     fn allowed_texts(state: &mut GrammarState, tokens: &[String]) -> Vec<String> {
         let allowed = state.allowed().unwrap();
-        tokens.iter().enumerate().filter(|(i, _)| allowed.is_allowed(*i as u32)).map(|(_, t)| t.clone()).collect()
+        tokens
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| allowed.is_allowed(*i as u32))
+            .map(|(_, t)| t.clone())
+            .collect()
     }
 
     fn flag_schema() -> Grammar {
@@ -341,7 +398,10 @@ mod tests {
         // The prompt (positions 0 and 1) is not constrained.
         state.sync(&[t("x"), t("y")]).unwrap();
         let first = allowed_texts(&mut state, &tokens);
-        assert!(first.contains(&"{".to_string()) && first.contains(&"{\"".to_string()), "{first:?}");
+        assert!(
+            first.contains(&"{".to_string()) && first.contains(&"{\"".to_string()),
+            "{first:?}"
+        );
         assert!(!first.contains(&"<|end|>".to_string()) && !first.contains(&"x".to_string()));
         let output = ["{\"", "o", "k", "\":", "true", "}"].map(t);
         let context: Vec<u32> = [t("x"), t("y")].into_iter().chain(output).collect();
@@ -359,7 +419,10 @@ mod tests {
         state.sync(&["{\"", "o", "k", "\":", "true"].map(t)).unwrap();
         state.sync(&["{\"", "o", "k", "\":", "f"].map(t)).unwrap();
         assert!(allowed_texts(&mut state, &tokens).contains(&"a".to_string()));
-        assert_eq!(state.sync(&["{\"", "x"].map(t)), Err(GrammarError::Violated { token: t("x"), position: 1 }));
+        assert_eq!(
+            state.sync(&["{\"", "x"].map(t)),
+            Err(GrammarError::Violated { token: t("x"), position: 1 })
+        );
     }
 
     #[test]
@@ -372,9 +435,22 @@ mod tests {
         // Drafts "true" then "x" (refused): row 0 before "true", row 1 after it, row 2 as row 1.
         let mut rows = vec![vec![0.0f32; width]; 3];
         state.mask_block(&mut rows, &[t("true"), t("x")]).unwrap();
-        let open = |row: &Vec<f32>| tokens.iter().enumerate().filter(|(i, _)| row[*i].is_finite()).map(|(_, s)| s.clone()).collect::<Vec<_>>();
-        assert!(open(&rows[0]).contains(&"true".to_string()) && open(&rows[0]).contains(&"f".to_string()));
-        assert!(open(&rows[1]).contains(&"}".to_string()) && !open(&rows[1]).contains(&"true".to_string()));
+        let open = |row: &Vec<f32>| {
+            tokens
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| row[*i].is_finite())
+                .map(|(_, s)| s.clone())
+                .collect::<Vec<_>>()
+        };
+        assert!(
+            open(&rows[0]).contains(&"true".to_string())
+                && open(&rows[0]).contains(&"f".to_string())
+        );
+        assert!(
+            open(&rows[1]).contains(&"}".to_string())
+                && !open(&rows[1]).contains(&"true".to_string())
+        );
         assert_eq!(open(&rows[1]), open(&rows[2]));
         assert_eq!(state.consumed, ["{\"", "o", "k", "\":"].map(t));
         // A refused first draft masks every row like the first.
@@ -388,7 +464,10 @@ mod tests {
         let (vocab, _) = vocabulary();
         let bad = GrammarConstraint::json_schema(serde_json::json!({"type": "no-such-type"}), 0);
         assert!(matches!(vocab.compile(&bad.grammar), Err(GrammarError::Invalid(_))));
-        assert!(matches!(vocab.compile(&serde_json::json!({"grammars": 3})), Err(GrammarError::Invalid(_))));
+        assert!(matches!(
+            vocab.compile(&serde_json::json!({"grammars": 3})),
+            Err(GrammarError::Invalid(_))
+        ));
         let lark = GrammarConstraint::lark("start: \"yes\" | \"no\"".into(), 0);
         assert!(vocab.compile(&lark.grammar).is_ok());
     }
@@ -402,13 +481,22 @@ mod tests {
         assert_eq!(object, GrammarConstraint::json_schema(json!({"type": "object"}), 0).grammar);
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         let named = json!({"type": "json_schema", "json_schema": {"name": "thing", "strict": true, "schema": schema}});
-        assert_eq!(response_format_grammar(&named).unwrap().unwrap(), GrammarConstraint::json_schema(schema, 0).grammar);
+        assert_eq!(
+            response_format_grammar(&named).unwrap().unwrap(),
+            GrammarConstraint::json_schema(schema, 0).grammar
+        );
         for (bad, param) in [
             (json!({"type": "yaml"}), "response_format.type"),
             (json!({}), "response_format.type"),
             (json!({"type": "json_schema"}), "response_format.json_schema"),
-            (json!({"type": "json_schema", "json_schema": {"schema": {}}}), "response_format.json_schema.name"),
-            (json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}), "response_format.json_schema.schema"),
+            (
+                json!({"type": "json_schema", "json_schema": {"schema": {}}}),
+                "response_format.json_schema.name",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+                "response_format.json_schema.schema",
+            ),
         ] {
             assert_eq!(response_format_grammar(&bad).unwrap_err().0, param, "{bad}");
         }
@@ -427,17 +515,44 @@ mod tests {
         let (vocab, tokens) = vocabulary();
         let tool = |name: &str, parameters| ToolSpec {
             kind: "function".into(),
-            function: FunctionSpec { name: name.into(), description: None, parameters: Some(parameters), strict: None },
+            function: FunctionSpec {
+                name: name.into(),
+                description: None,
+                parameters: Some(parameters),
+                strict: None,
+            },
         };
         let tools = [
-            tool("add", serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})),
+            tool(
+                "add",
+                serde_json::json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
+            ),
             tool("now", serde_json::json!({"type": "object", "properties": {}})),
         ];
-        let compile = |format, parallel| vocab.compile(&GrammarConstraint::lark(forced_calls_grammar(&tools, format, parallel), 0).grammar).unwrap();
+        let compile = |format, parallel| {
+            vocab
+                .compile(
+                    &GrammarConstraint::lark(forced_calls_grammar(&tools, format, parallel), 0)
+                        .grammar,
+                )
+                .unwrap()
+        };
         let tagged = compile(CallFormat::Tagged, false);
-        assert!(accepts(&tagged, &tokens, "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":2}}\n</tool_call>"));
-        assert!(!accepts(&tagged, &tokens, "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":\"2\"}}\n</tool_call>"));
-        assert!(!accepts(&tagged, &tokens, "<tool_call>\n{\"name\":\"sub\",\"arguments\":{}}\n</tool_call>"));
+        assert!(accepts(
+            &tagged,
+            &tokens,
+            "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":2}}\n</tool_call>"
+        ));
+        assert!(!accepts(
+            &tagged,
+            &tokens,
+            "<tool_call>\n{\"name\":\"add\",\"arguments\":{\"a\":\"2\"}}\n</tool_call>"
+        ));
+        assert!(!accepts(
+            &tagged,
+            &tokens,
+            "<tool_call>\n{\"name\":\"sub\",\"arguments\":{}}\n</tool_call>"
+        ));
         let one = "<tool_call>\n{\"name\":\"now\",\"arguments\":{}}\n</tool_call>";
         assert!(!accepts(&tagged, &tokens, &format!("{one}\n{one}")));
         assert!(accepts(&compile(CallFormat::Tagged, true), &tokens, &format!("{one}\n{one}")));

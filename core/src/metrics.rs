@@ -42,12 +42,25 @@ impl Histogram {
 }
 
 /// Appends one counter or gauge with its help and type lines.
-pub fn render_scalar(out: &mut String, kind: &str, name: &str, help: &str, value: impl std::fmt::Display) {
+pub fn render_scalar(
+    out: &mut String,
+    kind: &str,
+    name: &str,
+    help: &str,
+    value: impl std::fmt::Display,
+) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
 }
 
 /// Appends one metric with a label, one sample per `(label value, value)`.
-pub fn render_labeled(out: &mut String, kind: &str, name: &str, help: &str, label: &str, samples: impl IntoIterator<Item = (String, u64)>) {
+pub fn render_labeled(
+    out: &mut String,
+    kind: &str,
+    name: &str,
+    help: &str,
+    label: &str,
+    samples: impl IntoIterator<Item = (String, u64)>,
+) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
     for (value_of_label, value) in samples {
         let _ = writeln!(out, "{name}{{{label}=\"{value_of_label}\"}} {value}");

@@ -203,7 +203,9 @@ pub enum Prompt {
 }
 
 /// `null` where OpenAI accepts it for a field with a default.
-fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(d: D) -> Result<T, D::Error> {
+fn null_as_default<'de, D: serde::Deserializer<'de>, T: Default + Deserialize<'de>>(
+    d: D,
+) -> Result<T, D::Error> {
     Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
@@ -262,7 +264,9 @@ impl<'de> Deserialize<'de> for DraftLen {
                 f.write_str("spade.draft_len: a number of draft tokens or \"auto\"")
             }
             fn visit_u64<E: Error>(self, v: u64) -> Result<DraftLen, E> {
-                u32::try_from(v).map(DraftLen::Fixed).map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+                u32::try_from(v)
+                    .map(DraftLen::Fixed)
+                    .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
             }
             fn visit_str<E: Error>(self, v: &str) -> Result<DraftLen, E> {
                 if v == "auto" {
@@ -282,7 +286,10 @@ impl std::str::FromStr for DraftLen {
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::AUTO),
-            n => n.parse().map(Self::Fixed).map_err(|_| format!("{s:?} is neither \"auto\" nor a number of tokens")),
+            n => n
+                .parse()
+                .map(Self::Fixed)
+                .map_err(|_| format!("{s:?} is neither \"auto\" nor a number of tokens")),
         }
     }
 }
@@ -511,19 +518,33 @@ mod tests {
         .unwrap();
         assert_eq!(req.messages.len(), 2);
         assert!(matches!(req.messages[1].content, Some(MessageContent::Parts(_))));
-        assert_eq!(req.generation.stop, Some(StopSequences::Many(vec!["\n\n".into(), "END".into()])));
+        assert_eq!(
+            req.generation.stop,
+            Some(StopSequences::Many(vec!["\n\n".into(), "END".into()]))
+        );
         assert!(req.generation.stream_options.unwrap().include_usage);
     }
 
     #[test]
     fn completion_prompts_are_text_or_ids() {
         let parse = |v: serde_json::Value| serde_json::from_value::<CompletionRequest>(v).unwrap();
-        assert_eq!(parse(serde_json::json!({"prompt": "Once", "max_tokens": 5, "echo": null})).prompt, Prompt::Text("Once".into()));
+        assert_eq!(
+            parse(serde_json::json!({"prompt": "Once", "max_tokens": 5, "echo": null})).prompt,
+            Prompt::Text("Once".into())
+        );
         let ids = parse(serde_json::json!({"prompt": [1, 2, 3], "logprobs": 2}));
         assert_eq!((ids.prompt, ids.logprobs), (Prompt::Tokens(vec![1, 2, 3]), Some(2)));
-        assert_eq!(parse(serde_json::json!({"prompt": ["a", "b"]})).prompt, Prompt::Texts(vec!["a".into(), "b".into()]));
-        assert_eq!(parse(serde_json::json!({"prompt": [[1], [2]]})).prompt, Prompt::TokenLists(vec![vec![1], vec![2]]));
-        assert!(serde_json::from_value::<CompletionRequest>(serde_json::json!({"prompt": 3})).is_err());
+        assert_eq!(
+            parse(serde_json::json!({"prompt": ["a", "b"]})).prompt,
+            Prompt::Texts(vec!["a".into(), "b".into()])
+        );
+        assert_eq!(
+            parse(serde_json::json!({"prompt": [[1], [2]]})).prompt,
+            Prompt::TokenLists(vec![vec![1], vec![2]])
+        );
+        assert!(
+            serde_json::from_value::<CompletionRequest>(serde_json::json!({"prompt": 3})).is_err()
+        );
     }
 
     #[test]
@@ -534,9 +555,14 @@ mod tests {
         .unwrap();
         assert!(!req.generation.stream && !req.logprobs);
         assert_eq!(req.generation.spade.unwrap().draft_len, Some(DraftLen::AUTO));
-        let fixed: SpadeOptions = serde_json::from_value(serde_json::json!({"draft_len": 3})).unwrap();
+        let fixed: SpadeOptions =
+            serde_json::from_value(serde_json::json!({"draft_len": 3})).unwrap();
         assert_eq!(fixed.draft_len.and_then(DraftLen::fixed), Some(3));
-        for bad in [serde_json::json!({"draft_len": "fast"}), serde_json::json!({"draft_len": -1}), serde_json::json!({"draftlen": 2})] {
+        for bad in [
+            serde_json::json!({"draft_len": "fast"}),
+            serde_json::json!({"draft_len": -1}),
+            serde_json::json!({"draftlen": 2}),
+        ] {
             assert!(serde_json::from_value::<SpadeOptions>(bad.clone()).is_err(), "{bad}");
         }
         assert_eq!("auto".parse::<DraftLen>(), Ok(DraftLen::AUTO));

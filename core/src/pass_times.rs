@@ -67,7 +67,8 @@ impl PacedTimes {
             None => self.shape[rows] = Some(seconds / self.pace),
             Some(shape) => {
                 let modelled = shape * self.pace;
-                let seconds = seconds.clamp(modelled / self.gains.max_ratio, modelled * self.gains.max_ratio);
+                let seconds =
+                    seconds.clamp(modelled / self.gains.max_ratio, modelled * self.gains.max_ratio);
                 self.pace += self.gains.pace * (seconds / shape - self.pace);
                 self.shape[rows] = Some(shape + self.gains.shape * (seconds / self.pace - shape));
             }
@@ -120,7 +121,12 @@ mod tests {
             }
         }
         let now = ms(&times);
-        assert!((now[2] - 231.0).abs() < 3.0 && (now[1] - 160.0).abs() < 3.0 && (now[4] - 290.0).abs() < 3.0, "{now:?}");
+        assert!(
+            (now[2] - 231.0).abs() < 3.0
+                && (now[1] - 160.0).abs() < 3.0
+                && (now[4] - 290.0).abs() < 3.0,
+            "{now:?}"
+        );
         assert!((now[0] - 100.0).abs() < 5.0 && (now[3] - 250.0).abs() < 10.0, "{now:?}");
     }
 
@@ -142,7 +148,11 @@ mod tests {
     #[test]
     fn only_untimed_sizes_take_a_first_time() {
         let mut times = timed(&[100.0]);
-        assert!(!times.observe_if_untimed(1, 0.5) && times.observe_if_untimed(3, 0.3) && !times.observe_if_untimed(4, f64::NAN));
+        assert!(
+            !times.observe_if_untimed(1, 0.5)
+                && times.observe_if_untimed(3, 0.3)
+                && !times.observe_if_untimed(4, f64::NAN)
+        );
         assert_eq!(times.get(1), Some(0.1));
         assert_eq!(times.get(2), None);
         assert_eq!(times.get(3), Some(0.3));

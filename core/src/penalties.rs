@@ -38,28 +38,52 @@ pub struct Penalties {
 
 impl Default for Penalties {
     fn default() -> Self {
-        Self { presence_penalty: 0.0, frequency_penalty: 0.0, repetition_penalty: 1.0, logit_bias: BTreeMap::new(), prompt_len: 0 }
+        Self {
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: BTreeMap::new(),
+            prompt_len: 0,
+        }
     }
 }
 
 impl Penalties {
     /// True when applying them changes nothing: no need to send or apply them.
     pub fn is_noop(&self) -> bool {
-        self.presence_penalty == 0.0 && self.frequency_penalty == 0.0 && self.repetition_penalty == 1.0 && self.logit_bias.values().all(|&b| b == 0.0)
+        self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.repetition_penalty == 1.0
+            && self.logit_bias.values().all(|&b| b == 0.0)
     }
 
     pub fn validate(&self, vocab_size: u32) -> Result<(), SamplingError> {
-        let bad = |name, value: f32, expected| SamplingError::InvalidParam { name, value: value as f64, expected };
-        for (name, value) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        let bad = |name, value: f32, expected| SamplingError::InvalidParam {
+            name,
+            value: value as f64,
+            expected,
+        };
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&value) {
                 return Err(bad(name, value, "must be between -2 and 2"));
             }
         }
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
-            return Err(bad("repetition_penalty", self.repetition_penalty, "must be greater than 0 (1 = off)"));
+            return Err(bad(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "must be greater than 0 (1 = off)",
+            ));
         }
         if self.logit_bias.len() > MAX_LOGIT_BIAS {
-            return Err(bad("logit_bias", self.logit_bias.len() as f32, "at most 1024 tokens may be biased"));
+            return Err(bad(
+                "logit_bias",
+                self.logit_bias.len() as f32,
+                "at most 1024 tokens may be biased",
+            ));
         }
         for (&token, &bias) in &self.logit_bias {
             if token >= vocab_size {
@@ -75,7 +99,11 @@ impl Penalties {
     /// What the penalties need to know of `context` (prompt, then completion from `prompt_len`).
     pub fn history(&self, context: &[u32]) -> History {
         let split = (self.prompt_len as usize).min(context.len());
-        let prompt = if self.repetition_penalty != 1.0 { context[..split].iter().copied().collect() } else { HashSet::new() };
+        let prompt = if self.repetition_penalty != 1.0 {
+            context[..split].iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
         let mut history = History { penalties: self.clone(), prompt, counts: HashMap::new() };
         for &token in &context[split..] {
             history.push(token);
@@ -110,7 +138,9 @@ impl History {
         }
         if p.repetition_penalty != 1.0 {
             let r = p.repetition_penalty;
-            for &token in self.prompt.iter().chain(self.counts.keys().filter(|t| !self.prompt.contains(t))) {
+            for &token in
+                self.prompt.iter().chain(self.counts.keys().filter(|t| !self.prompt.contains(t)))
+            {
                 if let Some(l) = logits.get_mut(token as usize) {
                     *l = if *l > 0.0 { *l / r } else { *l * r };
                 }
@@ -131,7 +161,13 @@ impl History {
 mod tests {
     use super::*;
 
-    fn penalties(presence: f32, frequency: f32, repetition: f32, bias: &[(u32, f32)], prompt_len: u32) -> Penalties {
+    fn penalties(
+        presence: f32,
+        frequency: f32,
+        repetition: f32,
+        bias: &[(u32, f32)],
+        prompt_len: u32,
+    ) -> Penalties {
         Penalties {
             presence_penalty: presence,
             frequency_penalty: frequency,
@@ -194,12 +230,17 @@ mod tests {
         assert_eq!(param(penalties(0.0, -3.0, 1.0, &[], 0)).as_deref(), Some("frequency_penalty"));
         assert_eq!(param(penalties(0.0, 0.0, 0.0, &[], 0)).as_deref(), Some("repetition_penalty"));
         assert_eq!(param(penalties(0.0, 0.0, 1.0, &[(10, 1.0)], 0)).as_deref(), Some("logit_bias"));
-        assert_eq!(param(penalties(0.0, 0.0, 1.0, &[(1, 101.0)], 0)).as_deref(), Some("logit_bias"));
+        assert_eq!(
+            param(penalties(0.0, 0.0, 1.0, &[(1, 101.0)], 0)).as_deref(),
+            Some("logit_bias")
+        );
     }
 
     #[test]
     fn logit_bias_keys_are_ids_as_strings_on_the_wire() {
-        let p: Penalties = serde_json::from_str(r#"{"logit_bias": {"50256": -100, "7": 2.5}, "prompt_len": 3}"#).unwrap();
+        let p: Penalties =
+            serde_json::from_str(r#"{"logit_bias": {"50256": -100, "7": 2.5}, "prompt_len": 3}"#)
+                .unwrap();
         assert_eq!(p.logit_bias, BTreeMap::from([(7, 2.5), (50256, -100.0)]));
         assert_eq!(p.repetition_penalty, 1.0);
         assert!(serde_json::from_str::<Penalties>(r#"{"logit_bias": {"x": 1}}"#).is_err());

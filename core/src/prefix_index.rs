@@ -101,7 +101,11 @@ impl<K: Ord + Clone + Hash> PrefixIndex<K> {
     /// The stored sequence sharing the longest prefix with `tokens` (at least one block), and how
     /// long that prefix is. Among equally long matches, `prefer` picks (for example the most
     /// recently used): the greatest by its ordering wins.
-    pub fn longest<P: Ord>(&self, tokens: &[u32], prefer: impl Fn(&K) -> P) -> Option<PrefixMatch<K>> {
+    pub fn longest<P: Ord>(
+        &self,
+        tokens: &[u32],
+        prefer: impl Fn(&K) -> P,
+    ) -> Option<PrefixMatch<K>> {
         let mut deepest = None;
         for k in chain_keys(tokens, self.block) {
             match self.by_key.get(&k) {
@@ -117,7 +121,9 @@ impl<K: Ord + Clone + Hash> PrefixIndex<K> {
             })
             // A colliding key shares fewer tokens than its blocks claim: no match at all.
             .filter(|m| m.shared >= self.block)
-            .max_by(|a, b| a.shared.cmp(&b.shared).then_with(|| prefer(&a.key).cmp(&prefer(&b.key))))
+            .max_by(|a, b| {
+                a.shared.cmp(&b.shared).then_with(|| prefer(&a.key).cmp(&prefer(&b.key)))
+            })
     }
 }
 
@@ -164,7 +170,11 @@ mod tests {
         assert_eq!(index.longest(&seq(40, 0), |_| 0), None);
         index.insert(2, seq(16, 0));
         assert_eq!(index.longest(&seq(40, 0), |_| 0), Some(PrefixMatch { key: 2, shared: 16 }));
-        assert_eq!(index.longest(&seq(40, 1), |_| 0), None, "different tokens from the first one on");
+        assert_eq!(
+            index.longest(&seq(40, 1), |_| 0),
+            None,
+            "different tokens from the first one on"
+        );
     }
 
     #[test]

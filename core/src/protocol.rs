@@ -138,7 +138,12 @@ pub const MAX_VOCAB_PADDING: u32 = 128;
 /// Why a draft model cannot draft for a target, or None when it can: the same tokens (fingerprints
 /// of each token list without its trailing padding) and logits at most [`MAX_VOCAB_PADDING`] rows
 /// apart in width.
-pub fn vocabulary_mismatch(draft_fingerprint: &str, draft_width: u32, target_fingerprint: &str, target_width: u32) -> Option<String> {
+pub fn vocabulary_mismatch(
+    draft_fingerprint: &str,
+    draft_width: u32,
+    target_fingerprint: &str,
+    target_width: u32,
+) -> Option<String> {
     let short = |f: &str| f.chars().take(12).collect::<String>();
     if draft_fingerprint != target_fingerprint {
         return Some(format!(
@@ -181,10 +186,17 @@ mod tests {
     fn pairs_may_differ_by_padding_rows_only() {
         let (a, b) = ("a".repeat(64), "b".repeat(64));
         assert_eq!(vocabulary_mismatch(&a, 151_936, &a, 151_936), None);
-        assert_eq!(vocabulary_mismatch(&a, 151_936, &a, 152_064), None, "Qwen2.5-Coder 0.5B drafting for its 7B");
+        assert_eq!(
+            vocabulary_mismatch(&a, 151_936, &a, 152_064),
+            None,
+            "Qwen2.5-Coder 0.5B drafting for its 7B"
+        );
         assert_eq!(vocabulary_mismatch(&a, 152_064, &a, 151_936), None);
         let wide = vocabulary_mismatch(&a, 151_936, &a, 152_065).unwrap();
-        assert!(wide.contains("151936") && wide.contains("152065") && wide.contains("128"), "{wide}");
+        assert!(
+            wide.contains("151936") && wide.contains("152065") && wide.contains("128"),
+            "{wide}"
+        );
         let other = vocabulary_mismatch(&a, 151_936, &b, 151_936).unwrap();
         assert!(other.contains("aaaaaaaaaaaa") && other.contains("bbbbbbbbbbbb"), "{other}");
     }

@@ -61,7 +61,12 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     /// The parameters a request set, the defaults for those it left out.
-    pub fn with_defaults(temperature: Option<f32>, top_p: Option<f32>, top_k: Option<u32>, min_p: Option<f32>) -> Self {
+    pub fn with_defaults(
+        temperature: Option<f32>,
+        top_p: Option<f32>,
+        top_k: Option<u32>,
+        min_p: Option<f32>,
+    ) -> Self {
         let d = Self::default();
         Self {
             temperature: temperature.unwrap_or(d.temperature),
@@ -92,7 +97,11 @@ impl SamplingParams {
     }
 
     pub fn validate(&self) -> Result<(), SamplingError> {
-        let bad = |name, value: f32, expected| SamplingError::InvalidParam { name, value: value as f64, expected };
+        let bad = |name, value: f32, expected| SamplingError::InvalidParam {
+            name,
+            value: value as f64,
+            expected,
+        };
         if !(0.0..=2.0).contains(&self.temperature) {
             return Err(bad("temperature", self.temperature, "must be between 0 and 2"));
         }
@@ -210,7 +219,8 @@ pub fn confidence(logits: &[f32], q: &SparseDist, token: u32) -> f32 {
             *s += weight(l);
         }
     }
-    let total: f64 = lane_sum.into_iter().chain(rest.iter().map(|&l| weight(l))).map(f64::from).sum();
+    let total: f64 =
+        lane_sum.into_iter().chain(rest.iter().map(|&l| weight(l))).map(f64::from).sum();
     (f64::from(crate::fastmath::exp(at - max)) / total) as f32
 }
 
@@ -235,7 +245,8 @@ mod tests {
     #[test]
     fn confidence_over_a_vocabulary_matches_the_f64_softmax() {
         // Not a multiple of the lanes, with masked entries and the argmax in the remainder.
-        let mut logits: Vec<f32> = (0..1_003).map(|i| ((i * 7919) % 1000) as f32 / 50.0 - 10.0).collect();
+        let mut logits: Vec<f32> =
+            (0..1_003).map(|i| ((i * 7919) % 1000) as f32 / 50.0 - 10.0).collect();
         logits[17] = f32::NEG_INFINITY;
         logits[1_001] = 11.0;
         let reference = softmax(&logits, 1.0);
@@ -274,7 +285,8 @@ mod tests {
 
     #[test]
     fn greedy_is_point_mass_at_lowest_argmax() {
-        let d = distribution(&[1.0, 3.0, 3.0, f32::NEG_INFINITY], &SamplingParams::greedy()).unwrap();
+        let d =
+            distribution(&[1.0, 3.0, 3.0, f32::NEG_INFINITY], &SamplingParams::greedy()).unwrap();
         assert_eq!(d.entries(), &[(1, 1.0)]);
     }
 
@@ -290,14 +302,38 @@ mod tests {
     #[test]
     fn rejects_bad_params_and_logits() {
         let l = [0.0, 1.0];
-        assert!(matches!(distribution(&l, &params(-0.1, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { name: "temperature", .. })));
-        assert!(matches!(distribution(&l, &params(2.5, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { name: "temperature", .. })));
-        assert!(matches!(distribution(&l, &params(f32::NAN, 0, 1.0, 0.0)), Err(SamplingError::InvalidParam { .. })));
-        assert!(matches!(distribution(&l, &params(1.0, 0, 0.0, 0.0)), Err(SamplingError::InvalidParam { name: "top_p", .. })));
-        assert!(matches!(distribution(&l, &params(1.0, 0, 1.0, 1.5)), Err(SamplingError::InvalidParam { name: "min_p", .. })));
-        assert_eq!(distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0, 0.0)), Err(SamplingError::NoFiniteLogit));
-        assert!(matches!(distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0, 0.0)), Err(SamplingError::InvalidLogit { token: 1, .. })));
-        assert!(matches!(distribution(&[], &SamplingParams::greedy()), Err(SamplingError::NoFiniteLogit)));
+        assert!(matches!(
+            distribution(&l, &params(-0.1, 0, 1.0, 0.0)),
+            Err(SamplingError::InvalidParam { name: "temperature", .. })
+        ));
+        assert!(matches!(
+            distribution(&l, &params(2.5, 0, 1.0, 0.0)),
+            Err(SamplingError::InvalidParam { name: "temperature", .. })
+        ));
+        assert!(matches!(
+            distribution(&l, &params(f32::NAN, 0, 1.0, 0.0)),
+            Err(SamplingError::InvalidParam { .. })
+        ));
+        assert!(matches!(
+            distribution(&l, &params(1.0, 0, 0.0, 0.0)),
+            Err(SamplingError::InvalidParam { name: "top_p", .. })
+        ));
+        assert!(matches!(
+            distribution(&l, &params(1.0, 0, 1.0, 1.5)),
+            Err(SamplingError::InvalidParam { name: "min_p", .. })
+        ));
+        assert_eq!(
+            distribution(&[f32::NEG_INFINITY; 3], &params(1.0, 0, 1.0, 0.0)),
+            Err(SamplingError::NoFiniteLogit)
+        );
+        assert!(matches!(
+            distribution(&[0.0, f32::NAN], &params(1.0, 0, 1.0, 0.0)),
+            Err(SamplingError::InvalidLogit { token: 1, .. })
+        ));
+        assert!(matches!(
+            distribution(&[], &SamplingParams::greedy()),
+            Err(SamplingError::NoFiniteLogit)
+        ));
     }
 
     #[test]
@@ -375,7 +411,11 @@ mod tests {
         let full_sort = |logits: &[f32], p: &SamplingParams| -> Vec<u32> {
             let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
             let inv_t = 1.0 / p.temperature as f64;
-            let mut w: Vec<(u32, f64)> = logits.iter().enumerate().map(|(t, &l)| (t as u32, ((l as f64 - max) * inv_t).exp())).collect();
+            let mut w: Vec<(u32, f64)> = logits
+                .iter()
+                .enumerate()
+                .map(|(t, &l)| (t as u32, ((l as f64 - max) * inv_t).exp()))
+                .collect();
             let total: f64 = w.iter().map(|x| x.1).sum();
             w.sort_unstable_by(by_weight_desc);
             let mut acc = 0.0;
@@ -397,7 +437,8 @@ mod tests {
             let mut logits: Vec<f32> = (0..20_000).map(|_| next() * spread).collect();
             logits[7] = logits[8]; // a tie
             let p = params(1.0, 0, top_p, 0.0);
-            let kept: Vec<u32> = distribution(&logits, &p).unwrap().entries().iter().map(|e| e.0).collect();
+            let kept: Vec<u32> =
+                distribution(&logits, &p).unwrap().entries().iter().map(|e| e.0).collect();
             let want = full_sort(&logits, &p);
             assert_eq!(kept, want, "spread {spread}, top_p {top_p}");
             assert!(!kept.is_empty());

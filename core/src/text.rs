@@ -21,7 +21,11 @@ impl IncrementalDecoder {
     }
 
     /// Adds one token; returns the text it completes, if any. `decode` turns ids into text.
-    pub fn push<E>(&mut self, token: u32, decode: impl Fn(&[u32]) -> Result<String, E>) -> Result<Option<String>, E> {
+    pub fn push<E>(
+        &mut self,
+        token: u32,
+        decode: impl Fn(&[u32]) -> Result<String, E>,
+    ) -> Result<Option<String>, E> {
         self.tokens.push(token);
         let prefix = decode(&self.tokens[self.prefix_offset..self.read_offset])?;
         let full = decode(&self.tokens[self.prefix_offset..])?;
@@ -122,7 +126,8 @@ mod tests {
 
     fn stream(text: &str) -> Vec<String> {
         let mut dec = IncrementalDecoder::new();
-        let mut out: Vec<String> = text.bytes().filter_map(|b| dec.push(b as u32, bytes).unwrap()).collect();
+        let mut out: Vec<String> =
+            text.bytes().filter_map(|b| dec.push(b as u32, bytes).unwrap()).collect();
         out.push(dec.finish(bytes).unwrap());
         out
     }

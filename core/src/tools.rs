@@ -129,7 +129,12 @@ pub fn forced_calls_grammar(tools: &[ToolSpec], format: CallFormat, parallel: bo
     let calls: Vec<Value> = tools
         .iter()
         .map(|t| {
-            let parameters = t.function.parameters.clone().filter(|p| p.is_object()).unwrap_or_else(|| serde_json::json!({"type": "object"}));
+            let parameters = t
+                .function
+                .parameters
+                .clone()
+                .filter(|p| p.is_object())
+                .unwrap_or_else(|| serde_json::json!({"type": "object"}));
             serde_json::json!({
                 "type": "object",
                 "properties": {"name": {"const": t.function.name}, arguments_key: parameters},
@@ -174,13 +179,20 @@ impl ToolCallParser {
                 State::Text => {
                     if self.at_start {
                         let trimmed = self.held.trim_start();
-                        if trimmed.starts_with(LLAMA_TAG) || (trimmed.starts_with('{') && trimmed.len() > 1 && looks_like_llama_call(trimmed)) {
+                        if trimmed.starts_with(LLAMA_TAG)
+                            || (trimmed.starts_with('{')
+                                && trimmed.len() > 1
+                                && looks_like_llama_call(trimmed))
+                        {
                             self.held = trimmed.trim_start_matches(LLAMA_TAG).to_string();
                             self.state = State::Llama;
                             continue;
                         }
                         // Could still become a Llama call: wait for more.
-                        if !trimmed.is_empty() && (LLAMA_TAG.starts_with(trimmed) || (trimmed.starts_with('{') && could_be_llama_call(trimmed))) {
+                        if !trimmed.is_empty()
+                            && (LLAMA_TAG.starts_with(trimmed)
+                                || (trimmed.starts_with('{') && could_be_llama_call(trimmed)))
+                        {
                             return out;
                         }
                     }
@@ -201,7 +213,8 @@ impl ToolCallParser {
                     let Some(at) = self.held.find(QWEN_CLOSE) else { return out };
                     let body: String = self.held.drain(..at).collect();
                     self.held.drain(..QWEN_CLOSE.len());
-                    let call = serde_json::from_str(body.trim()).ok().and_then(|v: Value| parse_call(&v));
+                    let call =
+                        serde_json::from_str(body.trim()).ok().and_then(|v: Value| parse_call(&v));
                     match call {
                         Some(call) => out.push(call),
                         None => self.emit_text(format!("{QWEN_OPEN}{body}{QWEN_CLOSE}"), &mut out),
@@ -230,7 +243,8 @@ impl ToolCallParser {
                 out
             }
             State::Qwen => vec![ToolOutput::Text(format!("{QWEN_OPEN}{held}"))],
-            State::Llama => parse_llama_calls(&held, &self.names).unwrap_or_else(|| vec![ToolOutput::Text(held)]),
+            State::Llama => parse_llama_calls(&held, &self.names)
+                .unwrap_or_else(|| vec![ToolOutput::Text(held)]),
         }
     }
 
@@ -250,7 +264,12 @@ impl ToolCallParser {
 
 /// Length of the longest suffix of `text` that is a proper prefix of `marker`.
 fn partial_suffix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1)).rev().find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])).unwrap_or(0)
+    (1..marker.len().min(text.len() + 1))
+        .rev()
+        .find(|&n| {
+            text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..])
+        })
+        .unwrap_or(0)
 }
 
 /// `{"name": ` so far, as a Llama call begins (the text may still be cut short).
@@ -308,7 +327,8 @@ mod tests {
 
     /// Feeds `pieces` one by one, then finishes; merges adjacent text.
     fn run(pieces: &[&str]) -> Vec<ToolOutput> {
-        let mut p = ToolCallParser::new(vec!["f".into(), "g".into(), "t".into(), "get_weather".into()]);
+        let mut p =
+            ToolCallParser::new(vec!["f".into(), "g".into(), "t".into(), "get_weather".into()]);
         let mut out: Vec<ToolOutput> = Vec::new();
         let mut items: Vec<ToolOutput> = pieces.iter().flat_map(|piece| p.push(piece)).collect();
         items.extend(p.finish());
@@ -324,7 +344,12 @@ mod tests {
     #[test]
     fn qwen_calls_are_found_across_any_split() {
         let whole = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"t\", \"arguments\": {}}\n</tool_call>";
-        let expected = vec![text("Let me check.\n"), call("get_weather", r#"{"city":"Paris"}"#), text("\n"), call("t", "{}")];
+        let expected = vec![
+            text("Let me check.\n"),
+            call("get_weather", r#"{"city":"Paris"}"#),
+            text("\n"),
+            call("t", "{}"),
+        ];
         assert_eq!(run(&[whole]), expected);
         for cut in 1..whole.len() {
             if whole.is_char_boundary(cut) {
@@ -338,19 +363,32 @@ mod tests {
     #[test]
     fn text_that_only_looks_like_a_call_is_text() {
         assert_eq!(run(&["a < b and <tool", "_c> x"]), vec![text("a < b and <tool_c> x")]);
-        assert_eq!(run(&["<tool_call>not json</tool_call> done"]), vec![text("<tool_call>not json</tool_call> done")]);
-        assert_eq!(run(&["cut off <tool_call>{\"name\": \"f\""]), vec![text("cut off <tool_call>{\"name\": \"f\"")]);
+        assert_eq!(
+            run(&["<tool_call>not json</tool_call> done"]),
+            vec![text("<tool_call>not json</tool_call> done")]
+        );
+        assert_eq!(
+            run(&["cut off <tool_call>{\"name\": \"f\""]),
+            vec![text("cut off <tool_call>{\"name\": \"f\"")]
+        );
         assert_eq!(run(&["{\"a\": 1} is JSON"]), vec![text("{\"a\": 1} is JSON")]);
         // Text is not held back longer than a marker's prefix.
-        let mut p = ToolCallParser::new(vec!["f".into(), "g".into(), "t".into(), "get_weather".into()]);
+        let mut p =
+            ToolCallParser::new(vec!["f".into(), "g".into(), "t".into(), "get_weather".into()]);
         assert_eq!(p.push("Hello <to"), vec![text("Hello ")]);
     }
 
     #[test]
     fn llama_calls_with_and_without_the_python_tag() {
-        assert_eq!(run(&["<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}"]), vec![call("f", r#"{"x":1}"#)]);
         assert_eq!(
-            run(&["{\"name\": \"f\", ", "\"parameters\": {\"x\": 1}}; {\"name\": \"g\", \"parameters\": {}}"]),
+            run(&["<|python_tag|>{\"name\": \"f\", \"parameters\": {\"x\": 1}}"]),
+            vec![call("f", r#"{"x":1}"#)]
+        );
+        assert_eq!(
+            run(&[
+                "{\"name\": \"f\", ",
+                "\"parameters\": {\"x\": 1}}; {\"name\": \"g\", \"parameters\": {}}"
+            ]),
             vec![call("f", r#"{"x":1}"#), call("g", "{}")]
         );
         assert_eq!(run(&["  {\"na", "me\": \"f\", \"parameters\": {}}"]), vec![call("f", "{}")]);
@@ -360,7 +398,10 @@ mod tests {
             vec![call("f", r#"{"x":1}"#), call("g", "{}")]
         );
         // A JSON answer naming no tool of the request stays content.
-        assert_eq!(run(&["{\"name\": \"Ada\", \"parameters\": {}}"]), vec![text("{\"name\": \"Ada\", \"parameters\": {}}")]);
+        assert_eq!(
+            run(&["{\"name\": \"Ada\", \"parameters\": {}}"]),
+            vec![text("{\"name\": \"Ada\", \"parameters\": {}}")]
+        );
     }
 
     #[test]
@@ -370,7 +411,15 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(spec.function.name, "get_weather");
-        let delta = ToolCallDelta { index: 0, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: Some("{}".into()) } };
-        assert_eq!(serde_json::to_value(delta).unwrap(), serde_json::json!({"index": 0, "function": {"arguments": "{}"}}));
+        let delta = ToolCallDelta {
+            index: 0,
+            id: None,
+            kind: None,
+            function: FunctionCallDelta { name: None, arguments: Some("{}".into()) },
+        };
+        assert_eq!(
+            serde_json::to_value(delta).unwrap(),
+            serde_json::json!({"index": 0, "function": {"arguments": "{}"}})
+        );
     }
 }

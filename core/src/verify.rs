@@ -56,7 +56,12 @@ pub enum VerifyError {
 
 /// Applies the rule to a block. `p` holds the target distributions at the d+1 positions after the
 /// context; `first_position` is the absolute position of the first draft token (seeds the randomness).
-pub fn verify_block(p: &[SparseDist], drafts: &[DraftToken], seed: u64, first_position: u64) -> Result<BlockOutcome, VerifyError> {
+pub fn verify_block(
+    p: &[SparseDist],
+    drafts: &[DraftToken],
+    seed: u64,
+    first_position: u64,
+) -> Result<BlockOutcome, VerifyError> {
     if p.len() != drafts.len() + 1 {
         return Err(VerifyError::LengthMismatch { expected: drafts.len() + 1, got: p.len() });
     }
@@ -80,7 +85,12 @@ pub fn verify_block(p: &[SparseDist], drafts: &[DraftToken], seed: u64, first_po
 
 /// Samples from norm(max(0, p - q)). Only p's support can carry residual mass.
 fn sample_residual(p: &SparseDist, q: &SparseDist, u: f64) -> u32 {
-    let residual: Vec<(u32, f64)> = p.entries().iter().map(|&(t, _)| (t, (p.prob(t) - q.prob(t)).max(0.0))).filter(|&(_, w)| w > 0.0).collect();
+    let residual: Vec<(u32, f64)> = p
+        .entries()
+        .iter()
+        .map(|&(t, _)| (t, (p.prob(t) - q.prob(t)).max(0.0)))
+        .filter(|&(_, w)| w > 0.0)
+        .collect();
     let total: f64 = residual.iter().map(|&(_, w)| w).sum();
     if residual.is_empty() || total <= 0.0 {
         // Only reachable through rounding when p and q agree to ~1e-16: then p itself is the residual.
@@ -101,7 +111,10 @@ fn sample_residual(p: &SparseDist, q: &SparseDist, u: f64) -> u32 {
 /// target's argmax at the first mismatch (or after the block). `target_argmax` has d+1 entries.
 pub fn verify_greedy(target_argmax: &[u32], drafts: &[u32]) -> Result<BlockOutcome, VerifyError> {
     if target_argmax.len() != drafts.len() + 1 {
-        return Err(VerifyError::LengthMismatch { expected: drafts.len() + 1, got: target_argmax.len() });
+        return Err(VerifyError::LengthMismatch {
+            expected: drafts.len() + 1,
+            got: target_argmax.len(),
+        });
     }
     let accepted = drafts.iter().zip(target_argmax).take_while(|(d, t)| d == t).count();
     let next_kind = if accepted == drafts.len() { NextKind::Bonus } else { NextKind::Correction };

@@ -84,7 +84,8 @@ impl<'a> Reader<'a> {
     }
 
     fn u32(&mut self) -> Result<u32, WireError> {
-        u32::try_from(self.varint()?).map_err(|_| WireError::Invalid("a number does not fit 32 bits".into()))
+        u32::try_from(self.varint()?)
+            .map_err(|_| WireError::Invalid("a number does not fit 32 bits".into()))
     }
 
     /// A count of items each at least `min_bytes` long: bounded by what is left, so a forged count
@@ -107,20 +108,28 @@ impl<'a> Reader<'a> {
     }
 
     fn json<T: serde::de::DeserializeOwned>(&mut self, what: &str) -> Result<T, WireError> {
-        serde_json::from_slice(self.bytes()?).map_err(|e| WireError::Invalid(format!("{what}: {e}")))
+        serde_json::from_slice(self.bytes()?)
+            .map_err(|e| WireError::Invalid(format!("{what}: {e}")))
     }
 
     fn end(&self) -> Result<(), WireError> {
         if self.data.is_empty() {
             Ok(())
         } else {
-            Err(WireError::Invalid(format!("{} bytes after the end of the message", self.data.len())))
+            Err(WireError::Invalid(format!(
+                "{} bytes after the end of the message",
+                self.data.len()
+            )))
         }
     }
 }
 
 /// Ids in increasing order as distances from the previous one (the first from 0).
-fn ids_with<T: Copy>(out: &mut Vec<u8>, entries: &[(u32, T)], mut value: impl FnMut(&mut Vec<u8>, T)) {
+fn ids_with<T: Copy>(
+    out: &mut Vec<u8>,
+    entries: &[(u32, T)],
+    mut value: impl FnMut(&mut Vec<u8>, T),
+) {
     varint(out, entries.len() as u64);
     let mut previous = 0;
     for &(id, v) in entries {
@@ -191,8 +200,14 @@ pub fn decode_request(body: &[u8]) -> Result<VerifyRequest, WireError> {
         return Err(WireError::Version(version));
     }
     let flags = r.byte()?;
-    let session_id =
-        if flags & 1 != 0 { Some(String::from_utf8(r.bytes()?.to_vec()).map_err(|_| WireError::Invalid("session_id is not UTF-8".into()))?) } else { None };
+    let session_id = if flags & 1 != 0 {
+        Some(
+            String::from_utf8(r.bytes()?.to_vec())
+                .map_err(|_| WireError::Invalid("session_id is not UTF-8".into()))?,
+        )
+    } else {
+        None
+    };
     let context_start = r.u32()?;
     let n = r.count(1)?;
     let context = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
@@ -220,7 +235,9 @@ pub fn decode_request(body: &[u8]) -> Result<VerifyRequest, WireError> {
                 let mut q = Vec::with_capacity(entries);
                 let mut id = 0u32;
                 for _ in 0..entries {
-                    id = id.checked_add(r.u32()?).ok_or_else(|| WireError::Invalid("a q id overflows".into()))?;
+                    id = id
+                        .checked_add(r.u32()?)
+                        .ok_or_else(|| WireError::Invalid("a q id overflows".into()))?;
                     let p = if kind == 1 { r.u32()? as f32 / Q_UNITS as f32 } else { r.f32()? };
                     q.push((id, p));
                 }
@@ -231,7 +248,17 @@ pub fn decode_request(body: &[u8]) -> Result<VerifyRequest, WireError> {
         draft.push(WireDraftToken { token, q });
     }
     r.end()?;
-    Ok(VerifyRequest { session_id, context, context_start, draft, sampling, penalties, grammar, seed, top_logprobs })
+    Ok(VerifyRequest {
+        session_id,
+        context,
+        context_start,
+        draft,
+        sampling,
+        penalties,
+        grammar,
+        seed,
+        top_logprobs,
+    })
 }
 
 pub fn encode_response(r: &VerifyResponse) -> Vec<u8> {
@@ -239,7 +266,12 @@ pub fn encode_response(r: &VerifyResponse) -> Vec<u8> {
     varint(&mut out, u64::from(r.accepted));
     varint(&mut out, u64::from(r.next_token));
     let cached = r.cached_tokens > 0;
-    out.push(u8::from(r.next_kind == NextKind::Bonus) | u8::from(r.eos) << 1 | u8::from(r.logprobs.is_some()) << 2 | u8::from(cached) << 3);
+    out.push(
+        u8::from(r.next_kind == NextKind::Bonus)
+            | u8::from(r.eos) << 1
+            | u8::from(r.logprobs.is_some()) << 2
+            | u8::from(cached) << 3,
+    );
     varint(&mut out, u64::from(r.session_len));
     if cached {
         varint(&mut out, u64::from(r.cached_tokens));
@@ -260,11 +292,21 @@ pub fn decode_response(body: &[u8]) -> Result<VerifyResponse, WireError> {
     let flags = r.byte()?;
     let session_len = r.u32()?;
     let cached_tokens = if flags & 8 != 0 { r.u32()? } else { 0 };
-    let timing = VerifyTiming { queue_ms: r.varint()? as f64 / 1e3, forward_ms: r.varint()? as f64 / 1e3 };
+    let timing =
+        VerifyTiming { queue_ms: r.varint()? as f64 / 1e3, forward_ms: r.varint()? as f64 / 1e3 };
     let logprobs = if flags & 4 != 0 { Some(r.json("logprobs")?) } else { None };
     r.end()?;
     let next_kind = if flags & 1 != 0 { NextKind::Bonus } else { NextKind::Correction };
-    Ok(VerifyResponse { accepted, next_token, next_kind, eos: flags & 2 != 0, session_len, cached_tokens, logprobs, timing })
+    Ok(VerifyResponse {
+        accepted,
+        next_token,
+        next_kind,
+        eos: flags & 2 != 0,
+        session_len,
+        cached_tokens,
+        logprobs,
+        timing,
+    })
 }
 
 #[cfg(test)]
@@ -290,23 +332,43 @@ mod tests {
 
     #[test]
     fn requests_round_trip_greedy_quantised_and_raw() {
-        let greedy =
-            request(SamplingParams::greedy(), vec![WireDraftToken { token: 5, q: vec![(5, 1.0)] }, WireDraftToken { token: 70_000, q: vec![(70_000, 1.0)] }]);
+        let greedy = request(
+            SamplingParams::greedy(),
+            vec![
+                WireDraftToken { token: 5, q: vec![(5, 1.0)] },
+                WireDraftToken { token: 70_000, q: vec![(70_000, 1.0)] },
+            ],
+        );
         let bytes = encode_request(&greedy);
         assert_eq!(decode_request(&bytes).unwrap(), greedy);
         assert!(bytes.len() < 26, "{} bytes for a greedy call with two drafts", bytes.len());
 
-        let q = SparseDist::new(vec![(9, 0.6), (150_000, 0.3), (11, 0.1)], None).unwrap().quantized();
+        let q =
+            SparseDist::new(vec![(9, 0.6), (150_000, 0.3), (11, 0.1)], None).unwrap().quantized();
         let sampled = VerifyRequest {
             top_logprobs: Some(3),
-            penalties: Some(Penalties { presence_penalty: 0.5, prompt_len: 3, ..Penalties::default() }),
+            penalties: Some(Penalties {
+                presence_penalty: 0.5,
+                prompt_len: 3,
+                ..Penalties::default()
+            }),
             grammar: Some(GrammarConstraint::json_schema(serde_json::json!({"type": "object"}), 3)),
-            ..request(SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, min_p: 0.05 }, vec![WireDraftToken { token: 9, q: q.entries().to_vec() }])
+            ..request(
+                SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, min_p: 0.05 },
+                vec![WireDraftToken { token: 9, q: q.entries().to_vec() }],
+            )
         };
         assert_eq!(decode_request(&encode_request(&sampled)).unwrap(), sampled);
-        let raw = request(SamplingParams::default(), vec![WireDraftToken { token: 2, q: vec![(7, 0.3), (2, 0.7)] }]);
+        let raw = request(
+            SamplingParams::default(),
+            vec![WireDraftToken { token: 2, q: vec![(7, 0.3), (2, 0.7)] }],
+        );
         let back = decode_request(&encode_request(&raw)).unwrap();
-        assert_eq!(back.draft[0].q, vec![(2, 0.7), (7, 0.3)], "raw q comes back exactly, sorted by id");
+        assert_eq!(
+            back.draft[0].q,
+            vec![(2, 0.7), (7, 0.3)],
+            "raw q comes back exactly, sorted by id"
+        );
     }
 
     #[test]
@@ -323,7 +385,8 @@ mod tests {
         };
         assert_eq!(decode_response(&encode_response(&r)).unwrap(), r);
         assert!(encode_response(&r).len() <= 12, "{} bytes", encode_response(&r).len());
-        r.logprobs = Some(vec![TokenLogprob { token: 4, logprob: -0.25, top: vec![(4, -0.25), (8, -2.0)] }]);
+        r.logprobs =
+            Some(vec![TokenLogprob { token: 4, logprob: -0.25, top: vec![(4, -0.25), (8, -2.0)] }]);
         r.next_kind = NextKind::Correction;
         assert_eq!(decode_response(&encode_response(&r)).unwrap(), r);
         r.cached_tokens = 1_900;
@@ -332,7 +395,10 @@ mod tests {
 
     #[test]
     fn malformed_bodies_are_errors_not_panics() {
-        let good = encode_request(&request(SamplingParams::greedy(), vec![WireDraftToken { token: 5, q: vec![(5, 1.0)] }]));
+        let good = encode_request(&request(
+            SamplingParams::greedy(),
+            vec![WireDraftToken { token: 5, q: vec![(5, 1.0)] }],
+        ));
         for cut in 0..good.len() {
             assert!(decode_request(&good[..cut]).is_err(), "cut at {cut}");
         }
@@ -341,7 +407,10 @@ mod tests {
         long.push(0);
         assert!(decode_request(&long).is_err());
         // A forged count larger than the body is refused before anything is allocated.
-        assert_eq!(decode_request(&[1, 0, 0, 0xff, 0xff, 0xff, 0xff, 0x0f]), Err(WireError::Truncated));
+        assert_eq!(
+            decode_request(&[1, 0, 0, 0xff, 0xff, 0xff, 0xff, 0x0f]),
+            Err(WireError::Truncated)
+        );
         let mut junk = 0x2545F4914F6CDD1Du64;
         for _ in 0..2000 {
             let bytes: Vec<u8> = (0..24)

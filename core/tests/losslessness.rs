@@ -46,24 +46,52 @@ fn assert_distributed_as(counts: &[u64], probs: &[f64], n: u64, what: &str) {
     if df == 0 {
         return; // a point mass: chi_square already checked that nothing else was emitted
     }
-    assert!(stat < critical(df), "{what}: chi-square {stat:.1} >= {:.1} (df {df}); counts {counts:?}", critical(df));
+    assert!(
+        stat < critical(df),
+        "{what}: chi-square {stat:.1} >= {:.1} (df {df}); counts {counts:?}",
+        critical(df)
+    );
 }
 
 /// (name, p, q) over a 6-token vocabulary: the adversarial cases the rule must survive.
 fn cases() -> Vec<(&'static str, Vec<f32>, Vec<f32>)> {
     vec![
         ("q = p", vec![0.3, 0.25, 0.2, 0.15, 0.07, 0.03], vec![0.3, 0.25, 0.2, 0.15, 0.07, 0.03]),
-        ("q disjoint from p", vec![0.5, 0.3, 0.2, 0.0, 0.0, 0.0], vec![0.0, 0.0, 0.0, 0.6, 0.3, 0.1]),
-        ("q point mass on an unlikely token", vec![0.4, 0.3, 0.2, 0.05, 0.04, 0.01], vec![0.0, 0.0, 0.0, 0.0, 0.0, 1.0]),
-        ("q narrower than p", vec![0.1, 0.2, 0.3, 0.2, 0.1, 0.1], vec![0.0, 0.5, 0.5, 0.0, 0.0, 0.0]),
+        (
+            "q disjoint from p",
+            vec![0.5, 0.3, 0.2, 0.0, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 0.6, 0.3, 0.1],
+        ),
+        (
+            "q point mass on an unlikely token",
+            vec![0.4, 0.3, 0.2, 0.05, 0.04, 0.01],
+            vec![0.0, 0.0, 0.0, 0.0, 0.0, 1.0],
+        ),
+        (
+            "q narrower than p",
+            vec![0.1, 0.2, 0.3, 0.2, 0.1, 0.1],
+            vec![0.0, 0.5, 0.5, 0.0, 0.0, 0.0],
+        ),
         ("q uniform, p peaked", vec![0.9, 0.02, 0.02, 0.02, 0.02, 0.02], vec![1.0; 6]),
-        ("p greedy point mass, q spread", vec![0.0, 0.0, 1.0, 0.0, 0.0, 0.0], vec![0.2, 0.2, 0.2, 0.2, 0.1, 0.1]),
-        ("q overconfident on p's mode", vec![0.35, 0.3, 0.2, 0.1, 0.05, 0.0], vec![0.97, 0.01, 0.01, 0.01, 0.0, 0.0]),
+        (
+            "p greedy point mass, q spread",
+            vec![0.0, 0.0, 1.0, 0.0, 0.0, 0.0],
+            vec![0.2, 0.2, 0.2, 0.2, 0.1, 0.1],
+        ),
+        (
+            "q overconfident on p's mode",
+            vec![0.35, 0.3, 0.2, 0.1, 0.05, 0.0],
+            vec![0.97, 0.01, 0.01, 0.01, 0.0, 0.0],
+        ),
     ]
 }
 
 /// First committed token of a one-draft block, over TRIALS seeds.
-fn first_token_counts(p: &SparseDist, q: &SparseDist, rule: impl Fn(&[SparseDist], &[DraftToken], u64) -> u32) -> Vec<u64> {
+fn first_token_counts(
+    p: &SparseDist,
+    q: &SparseDist,
+    rule: impl Fn(&[SparseDist], &[DraftToken], u64) -> u32,
+) -> Vec<u64> {
     let targets = vec![p.clone(), p.clone()];
     let mut counts = vec![0u64; 6];
     for seed in 0..TRIALS {
@@ -78,7 +106,9 @@ fn first_token_counts(p: &SparseDist, q: &SparseDist, rule: impl Fn(&[SparseDist
 fn emitted_token_is_distributed_as_p() {
     for (name, p, q) in cases() {
         let (p, q) = (dist(&p), dist(&q));
-        let counts = first_token_counts(&p, &q, |t, d, seed| verify_block(t, d, seed, 0).unwrap().committed(&[d[0].token])[0]);
+        let counts = first_token_counts(&p, &q, |t, d, seed| {
+            verify_block(t, d, seed, 0).unwrap().committed(&[d[0].token])[0]
+        });
         assert_distributed_as(&counts, &probs_of(&p, 6), TRIALS, name);
     }
 }
@@ -118,7 +148,10 @@ fn multi_round_sequences_have_the_target_joint_law() {
             let start = out.len();
             let d = 3;
             let drafts: Vec<DraftToken> = (start..start + d)
-                .map(|pos| DraftToken { token: q[pos].sample(rng_for(Stream::Draft, seed, pos as u64).random()), q: q[pos].clone() })
+                .map(|pos| DraftToken {
+                    token: q[pos].sample(rng_for(Stream::Draft, seed, pos as u64).random()),
+                    q: q[pos].clone(),
+                })
                 .collect();
             let outcome = verify_block(&p[start..=start + d], &drafts, seed, start as u64).unwrap();
             accepted_any += outcome.accepted;
@@ -129,7 +162,9 @@ fn multi_round_sequences_have_the_target_joint_law() {
     }
     assert!(accepted_any > 0);
     let (p0, p1, p2) = (probs_of(&p[0], vocab), probs_of(&p[1], vocab), probs_of(&p[2], vocab));
-    let joint: Vec<f64> = (0..vocab * vocab * vocab).map(|i| p0[i / (vocab * vocab)] * p1[(i / vocab) % vocab] * p2[i % vocab]).collect();
+    let joint: Vec<f64> = (0..vocab * vocab * vocab)
+        .map(|i| p0[i / (vocab * vocab)] * p1[(i / vocab) % vocab] * p2[i % vocab])
+        .collect();
     assert_distributed_as(&counts, &joint, TRIALS, "joint of the first three tokens");
 }
 
@@ -143,7 +178,8 @@ fn same_input_same_answer() {
     for _ in 0..10 {
         assert_eq!(verify_block(&targets, &drafts, 42, 17).unwrap(), first);
     }
-    let outcomes: std::collections::HashSet<_> = (0..200).map(|seed| verify_block(&targets, &drafts, seed, 17).unwrap()).collect();
+    let outcomes: std::collections::HashSet<_> =
+        (0..200).map(|seed| verify_block(&targets, &drafts, seed, 17).unwrap()).collect();
     assert!(outcomes.len() > 1, "the seed must matter");
 }
 
@@ -156,8 +192,14 @@ fn malformed_blocks_are_typed_errors() {
         verify_block(std::slice::from_ref(&p), &[DraftToken { token: 0, q: q.clone() }], 0, 0),
         Err(VerifyError::LengthMismatch { expected: 2, got: 1 })
     );
-    assert_eq!(verify_block(&[p.clone(), p.clone()], &[DraftToken { token: 1, q }], 0, 0), Err(VerifyError::OutsideSupport { index: 0, token: 1 }));
-    assert_eq!(verify_greedy(&[1, 2], &[]), Err(VerifyError::LengthMismatch { expected: 1, got: 2 }));
+    assert_eq!(
+        verify_block(&[p.clone(), p.clone()], &[DraftToken { token: 1, q }], 0, 0),
+        Err(VerifyError::OutsideSupport { index: 0, token: 1 })
+    );
+    assert_eq!(
+        verify_greedy(&[1, 2], &[]),
+        Err(VerifyError::LengthMismatch { expected: 1, got: 2 })
+    );
 }
 
 proptest! {

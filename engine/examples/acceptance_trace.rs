@@ -30,11 +30,14 @@ fn argmax(row: &[f32]) -> u32 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let max_tokens: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(160);
-    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models"));
+    let dir = std::env::var_os("SPADE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models"));
     let draft_file = dir.join("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
     let target = CandleScorer::load(&dir.join("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"))?;
     let draft = CandleScorer::load(&draft_file)?;
-    let chat = MistralDrafter::load(&ModelSource::Local(draft_file), DrafterOptions::default()).await?;
+    let chat =
+        MistralDrafter::load(&ModelSource::Local(draft_file), DrafterOptions::default()).await?;
     let prompts = std::fs::read_to_string("bench/prompts.jsonl")?;
     for line in prompts.lines().filter(|l| !l.trim().is_empty()) {
         let prompt: serde_json::Value = serde_json::from_str(line)?;
@@ -62,16 +65,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             stop_token_ids: target.meta().stop_token_ids.clone(),
         };
         let output = generate(None, target.new_session().as_mut(), &ids, &params).await?.tokens;
-        let forced: Vec<u32> = ids.iter().chain(&output[..output.len().saturating_sub(1)]).copied().collect();
+        let forced: Vec<u32> =
+            ids.iter().chain(&output[..output.len().saturating_sub(1)]).copied().collect();
         let rows = draft.new_session().score(&forced, output.len())?;
         let (mut bits, mut confidences) = (String::new(), Vec::new());
         for (row, &token) in rows.iter().zip(&output) {
             let drafted = argmax(row);
             bits.push(if drafted == token { '1' } else { '0' });
-            confidences.push(format!("{:.3}", confidence(row, &SparseDist::point(drafted), drafted)));
+            confidences
+                .push(format!("{:.3}", confidence(row, &SparseDist::point(drafted), drafted)));
         }
         println!("{bits} {}", confidences.join(","));
-        eprintln!("{}: {} tokens, acceptance {:.3}", prompt["id"], output.len(), bits.matches('1').count() as f64 / bits.len().max(1) as f64);
+        eprintln!(
+            "{}: {} tokens, acceptance {:.3}",
+            prompt["id"],
+            output.len(),
+            bits.matches('1').count() as f64 / bits.len().max(1) as f64
+        );
     }
     Ok(())
 }

@@ -25,9 +25,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let path = std::env::args().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"));
-    let drafter = MistralDrafter::load(&ModelSource::Local(path.clone()), DrafterOptions::default()).await?;
-    let params = DraftParams { sampling: SamplingParams::greedy(), penalties: None, grammar: None, seed: 1 };
+    let path = std::env::args()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"));
+    let drafter =
+        MistralDrafter::load(&ModelSource::Local(path.clone()), DrafterOptions::default()).await?;
+    let params =
+        DraftParams { sampling: SamplingParams::greedy(), penalties: None, grammar: None, seed: 1 };
     let text: Vec<u32> = drafter.encode_text(&TEXT.repeat(40), false).await?;
 
     // Prefill: a fresh 512-token prompt each time (a different first token defeats the prefix cache).
@@ -68,9 +73,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         committed.push(text[committed.len() % text.len()]);
     }
     let round = median(rounds);
-    println!("{}: prompt 512 tokens {:.1} tok/s ({:.0} ms)", path.display(), 512.0 / prefill, prefill * 1e3);
-    println!("decode {:.1} tok/s ({:.1} ms per token, inside a 64-token block)", 1.0 / step, step * 1e3);
-    println!("d=4 round after 5 committed tokens: {:.1} ms = {:.2} decode steps per drafted token", round * 1e3, round / step / 4.0);
+    println!(
+        "{}: prompt 512 tokens {:.1} tok/s ({:.0} ms)",
+        path.display(),
+        512.0 / prefill,
+        prefill * 1e3
+    );
+    println!(
+        "decode {:.1} tok/s ({:.1} ms per token, inside a 64-token block)",
+        1.0 / step,
+        step * 1e3
+    );
+    println!(
+        "d=4 round after 5 committed tokens: {:.1} ms = {:.2} decode steps per drafted token",
+        round * 1e3,
+        round / step / 4.0
+    );
     #[cfg(target_feature = "avx2")]
     compare_avx_vnni(&drafter, &text, &params).await?;
     Ok(())
@@ -78,7 +96,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Decode step and a 128-token prompt with VNNI over AVX2 alone, interleaved (medians of 5).
 #[cfg(target_feature = "avx2")]
-async fn compare_avx_vnni(drafter: &MistralDrafter, text: &[u32], params: &DraftParams) -> Result<(), Box<dyn std::error::Error>> {
+async fn compare_avx_vnni(
+    drafter: &MistralDrafter,
+    text: &[u32],
+    params: &DraftParams,
+) -> Result<(), Box<dyn std::error::Error>> {
     use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI};
     if allow_vnni(AVX512_VNNI) == AVX2 {
         return Ok(());

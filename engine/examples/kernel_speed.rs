@@ -33,14 +33,24 @@ fn values(len: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Rows `row0..row0 + R` of `ys` times every weight row, in one pass over the weights.
-fn tile<T: GgmlType, const R: usize>(k: usize, weights: &[T], ys: &[Vec<T::VecDotType>], row0: usize) -> f32 {
+fn tile<T: GgmlType, const R: usize>(
+    k: usize,
+    weights: &[T],
+    ys: &[Vec<T::VecDotType>],
+    row0: usize,
+) -> f32 {
     let blocks = k / T::BLCK_SIZE;
     let rows: [&[T::VecDotType]; R] = std::array::from_fn(|r| ys[row0 + r].as_slice());
     // A sum of the results keeps the compiler from dropping the work.
     weights.chunks(blocks).map(|w| T::vec_dot_rows::<R>(k, w, rows).iter().sum::<f32>()).sum()
 }
 
-fn run_plan<T: GgmlType>(k: usize, weights: &[T], ys: &[Vec<T::VecDotType>], plan: &[usize]) -> f32 {
+fn run_plan<T: GgmlType>(
+    k: usize,
+    weights: &[T],
+    ys: &[Vec<T::VecDotType>],
+    plan: &[usize],
+) -> f32 {
     let mut row0 = 0;
     let mut sum = 0.0;
     for &rows in plan {
@@ -84,7 +94,8 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
         }
         for (best, &m) in best_matmul.iter_mut().zip(&matmul_rows) {
             let started = Instant::now();
-            k_quants::matmul::<T>((m, k, n), &lhs[..m * k], &weights, &mut dst[..m * n]).expect("matmul shapes");
+            k_quants::matmul::<T>((m, k, n), &lhs[..m * k], &weights, &mut dst[..m * n])
+                .expect("matmul shapes");
             *best = best.min(started.elapsed().as_secs_f64() * 1e3);
         }
     }
@@ -97,7 +108,12 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
             format!("{}: {:.2}x", plan.join("+"), t / best_plan[0])
         })
         .collect();
-    let matmul: Vec<String> = matmul_rows.iter().zip(&best_matmul).skip(1).map(|(m, t)| format!("{m}: {:.2}x", t / best_matmul[0])).collect();
+    let matmul: Vec<String> = matmul_rows
+        .iter()
+        .zip(&best_matmul)
+        .skip(1)
+        .map(|(m, t)| format!("{m}: {:.2}x", t / best_matmul[0]))
+        .collect();
     println!("{name} {n}x{k} (checksum {sink:.3e})");
     println!("  tiles:  1 row {:.3} ms; {}", best_plan[0], tiles.join("  "));
     println!("  matmul: 1 row {:.3} ms; {}", best_matmul[0], matmul.join("  "));
@@ -109,8 +125,13 @@ fn report<T: GgmlType>(name: &str, k: usize, n: usize) {
 /// 5 rows, interleaved.
 #[cfg(target_feature = "avx2")]
 fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
-    let all = [(avx::AVX2, "AVX2"), (avx::AVX_VNNI, "AVX-VNNI (VEX)"), (avx::AVX512_VNNI, "AVX512-VNNI (EVEX)")];
-    let kinds: Vec<(u8, &str)> = all.into_iter().filter(|&(kind, _)| avx::allow_vnni(kind) == kind).collect();
+    let all = [
+        (avx::AVX2, "AVX2"),
+        (avx::AVX_VNNI, "AVX-VNNI (VEX)"),
+        (avx::AVX512_VNNI, "AVX512-VNNI (EVEX)"),
+    ];
+    let kinds: Vec<(u8, &str)> =
+        all.into_iter().filter(|&(kind, _)| avx::allow_vnni(kind) == kind).collect();
     let mut lines = vec![Vec::new(); kinds.len()];
     for m in [1usize, 5] {
         let mut best = vec![f64::INFINITY; kinds.len()];
@@ -119,7 +140,8 @@ fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
             for ((&(kind, _), best), dst) in kinds.iter().zip(best.iter_mut()).zip(out.iter_mut()) {
                 avx::allow_vnni(kind);
                 let started = Instant::now();
-                k_quants::matmul::<T>((m, k, n), &lhs[..m * k], weights, dst).expect("matmul shapes");
+                k_quants::matmul::<T>((m, k, n), &lhs[..m * k], weights, dst)
+                    .expect("matmul shapes");
                 *best = best.min(started.elapsed().as_secs_f64() * 1e3);
             }
         }
@@ -127,7 +149,12 @@ fn vnni_report<T: GgmlType>(k: usize, n: usize, weights: &[T], lhs: &[f32]) {
             let same = out[0].iter().zip(&out[at]).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "{} and AVX2 results differ ({m} rows)", kinds[at].1);
             let rows = format!("{m} row{}", if m > 1 { "s" } else { "" });
-            lines[at].push(format!("{rows}: {:.3} / {:.3} ms = {:.2}x", best[at], best[0], best[at] / best[0]));
+            lines[at].push(format!(
+                "{rows}: {:.3} / {:.3} ms = {:.2}x",
+                best[at],
+                best[0],
+                best[at] / best[0]
+            ));
         }
     }
     avx::allow_vnni(avx::AVX512_VNNI);

@@ -23,7 +23,11 @@ fn median(v: &mut [f64]) -> f64 {
 /// Where the CPU has AVX-VNNI or AVX512-VNNI (which the candle patch's quantized kernels use): the
 /// 5-position block with it and with AVX2 alone, interleaved, and the logits compared bit for bit.
 #[cfg(target_feature = "avx2")]
-fn compare_avx_vnni(session: &mut dyn spade_engine::ScoreSession, tokens: &[u32], reps: usize) -> Result<(), Box<dyn std::error::Error>> {
+fn compare_avx_vnni(
+    session: &mut dyn spade_engine::ScoreSession,
+    tokens: &[u32],
+    reps: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
     use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI};
     if allow_vnni(AVX512_VNNI) == AVX2 {
         return Ok(());
@@ -39,7 +43,11 @@ fn compare_avx_vnni(session: &mut dyn spade_engine::ScoreSession, tokens: &[u32]
         }
     }
     allow_vnni(AVX512_VNNI);
-    let same = logits[0].iter().flatten().zip(logits[1].iter().flatten()).all(|(a, b)| a.to_bits() == b.to_bits());
+    let same = logits[0]
+        .iter()
+        .flatten()
+        .zip(logits[1].iter().flatten())
+        .all(|(a, b)| a.to_bits() == b.to_bits());
     if !same {
         return Err("the VNNI and AVX2 kernels gave different logits".into());
     }
@@ -67,11 +75,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let started = Instant::now();
         let logits = session.score(&tokens, 1)?;
         steps.push(started.elapsed().as_secs_f64() * 1e3);
-        let next = logits[0].iter().enumerate().fold(0, |b, (i, &x)| if x > logits[0][b] { i } else { b });
+        let next =
+            logits[0].iter().enumerate().fold(0, |b, (i, &x)| if x > logits[0][b] { i } else { b });
         tokens.push(next as u32);
     }
     // BLOCKS=N times N blocks instead of 12 (a longer run to profile, e.g. under `perf record -D`).
-    let blocks_to_time: usize = std::env::var("BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(12);
+    let blocks_to_time: usize =
+        std::env::var("BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(12);
     let mut blocks = Vec::new();
     for _ in 0..blocks_to_time {
         session.truncate(tokens.len() - 5);
@@ -92,12 +102,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compare_avx_vnni(session.as_mut(), &tokens, blocks_to_time)?;
 
     let shapes: Vec<String> = std::env::args().skip(2).collect();
-    let shapes = if shapes.is_empty() { ["1x1", "8x1", "1x5", "8x5"].map(String::from).to_vec() } else { shapes };
+    let shapes = if shapes.is_empty() {
+        ["1x1", "8x1", "1x5", "8x5"].map(String::from).to_vec()
+    } else {
+        shapes
+    };
     for shape in shapes {
         let (s, b) = shape.split_once('x').ok_or("a batch shape is SESSIONSxBLOCK, e.g. 8x5")?;
         let (s, b): (usize, usize) = (s.parse()?, b.parse()?);
         let mut sessions: Vec<_> = (0..s).map(|_| scorer.new_session()).collect();
-        let sequences: Vec<Vec<u32>> = (0..s as u32).map(|i| tokens.iter().map(|t| (t + i * 101) % 30000).collect()).collect();
+        let sequences: Vec<Vec<u32>> =
+            (0..s as u32).map(|i| tokens.iter().map(|t| (t + i * 101) % 30000).collect()).collect();
         for (session, seq) in sessions.iter_mut().zip(&sequences) {
             session.score(seq, 1)?;
         }
@@ -117,7 +132,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         let pass = started.elapsed().as_secs_f64() / reps as f64;
-        println!("{s} sessions x {b} positions in one pass: {:.1} ms ({:.1} ms per position)", 1000.0 * pass, 1000.0 * pass / (s * b) as f64);
+        println!(
+            "{s} sessions x {b} positions in one pass: {:.1} ms ({:.1} ms per position)",
+            1000.0 * pass,
+            1000.0 * pass / (s * b) as f64
+        );
     }
     Ok(())
 }

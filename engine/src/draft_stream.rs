@@ -108,7 +108,9 @@ impl<'a> DraftStream<'a> {
             }
             None => {
                 self.left = 0;
-                Some(Err(EngineError::Drafter("the draft engine stopped without finishing the block".into())))
+                Some(Err(EngineError::Drafter(
+                    "the draft engine stopped without finishing the block".into(),
+                )))
             }
         }
     }
@@ -131,7 +133,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_ready_block_ends_where_its_rule_says() {
-        let tokens: Vec<DraftToken> = (0..5).map(|t| DraftToken { token: t, q: SparseDist::point(t) }).collect();
+        let tokens: Vec<DraftToken> =
+            (0..5).map(|t| DraftToken { token: t, q: SparseDist::point(t) }).collect();
         let mut asked = 0;
         let keep = KeepDrafting::new(move |confidence| {
             assert_eq!(confidence, 1.0);

@@ -5,7 +5,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use spade_core::draft_control::{BlockEnd, BlockKind, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation};
+use spade_core::draft_control::{
+    BlockEnd, BlockKind, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation,
+};
 use spade_core::openai::DraftLen;
 use spade_core::DraftToken;
 
@@ -51,7 +53,8 @@ impl Pacing {
             DraftLength::Fixed(n) => Self::Fixed(*n),
             DraftLength::Auto { max, seed, block_end } => {
                 let estimates = seed.lock().map(|e| e.clone()).unwrap_or_default();
-                let controller = DraftController::new(*max, overlap, estimates).with_block_end(*block_end);
+                let controller =
+                    DraftController::new(*max, overlap, estimates).with_block_end(*block_end);
                 Self::Auto { controller: Box::new(controller), shared: seed.clone() }
             }
         }
@@ -154,9 +157,18 @@ pub(crate) struct DraftTiming {
 impl<'a> Block<'a> {
     /// Starts drafting up to `cap` tokens after `context` (plus a guess first when `guess`), ending
     /// sooner where the pacing's rule says ([`Pacing::keep_drafting`]).
-    pub async fn start(drafter: &'a dyn Drafter, context: &[u32], cap: usize, guess: bool, params: &DraftParams, pacing: &Pacing) -> Result<Self, EngineError> {
+    pub async fn start(
+        drafter: &'a dyn Drafter,
+        context: &[u32],
+        cap: usize,
+        guess: bool,
+        params: &DraftParams,
+        pacing: &Pacing,
+    ) -> Result<Self, EngineError> {
         let started = Instant::now();
-        let stream = drafter.draft_stream(context, cap + usize::from(guess), params, pacing.keep_drafting(guess)).await?;
+        let stream = drafter
+            .draft_stream(context, cap + usize::from(guess), params, pacing.keep_drafting(guess))
+            .await?;
         Ok(Self {
             stream: Some(stream),
             tokens: Vec::new(),
@@ -260,7 +272,13 @@ pub(crate) struct Drafted {
 }
 
 /// What a round observed, for the pacing.
-pub(crate) fn observation(drafted: &Drafted, accepted: usize, latency: Duration, verifier: Option<Duration>, guess: Option<bool>) -> RoundObservation {
+pub(crate) fn observation(
+    drafted: &Drafted,
+    accepted: usize,
+    latency: Duration,
+    verifier: Option<Duration>,
+    guess: Option<bool>,
+) -> RoundObservation {
     RoundObservation {
         drafted: drafted.tokens.len(),
         accepted,

@@ -45,8 +45,12 @@ impl ModelSource {
                 if let Ok(token) = std::env::var("HF_TOKEN") {
                     builder = builder.with_token(Some(token));
                 }
-                let api = builder.build().map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))?;
-                api.model(repo.clone()).get(file).map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))
+                let api = builder
+                    .build()
+                    .map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))?;
+                api.model(repo.clone())
+                    .get(file)
+                    .map_err(|e| EngineError::ModelNotFound(format!("{repo}:{file}: {e}")))
             }
         }
     }
@@ -75,7 +79,15 @@ pub struct ModelMeta {
 const UNUSED_TOKEN: i32 = 5;
 
 /// Common names of end-of-turn tokens, stopped on alongside `tokenizer.ggml.eos_token_id`.
-const END_TOKENS: &[&str] = &["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "</s>", "<end_of_turn>"];
+const END_TOKENS: &[&str] = &[
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|eom_id|>",
+    "</s>",
+    "<end_of_turn>",
+];
 
 pub(crate) struct GgufFile {
     pub path: PathBuf,
@@ -95,7 +107,9 @@ impl GgufFile {
     }
 
     pub fn get(&self, key: &str) -> Result<&Value, EngineError> {
-        self.md().get(key).ok_or_else(|| EngineError::load(&self.path, format!("missing metadata key {key}")))
+        self.md()
+            .get(key)
+            .ok_or_else(|| EngineError::load(&self.path, format!("missing metadata key {key}")))
     }
 
     pub fn u32(&self, key: &str) -> Result<u32, EngineError> {
@@ -111,7 +125,10 @@ impl GgufFile {
     }
 
     pub fn string(&self, key: &str) -> Result<String, EngineError> {
-        self.get(key)?.to_string().cloned().map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
+        self.get(key)?
+            .to_string()
+            .cloned()
+            .map_err(|e| EngineError::load(&self.path, format!("{key}: {e}")))
     }
 
     pub fn architecture(&self) -> Result<String, EngineError> {
@@ -120,10 +137,16 @@ impl GgufFile {
 
     /// The token list, and each token's GGUF type (empty where the file has none).
     fn tokens(&self) -> Result<(Vec<String>, Vec<i32>), EngineError> {
-        let list = |key: &str| self.get(key)?.to_vec().map_err(|e| EngineError::load(&self.path, e));
-        let tokens = list("tokenizer.ggml.tokens")?.iter().map(|v| v.to_string().cloned().unwrap_or_default()).collect();
+        let list =
+            |key: &str| self.get(key)?.to_vec().map_err(|e| EngineError::load(&self.path, e));
+        let tokens = list("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| v.to_string().cloned().unwrap_or_default())
+            .collect();
         let kinds = match self.get("tokenizer.ggml.token_type") {
-            Ok(_) => list("tokenizer.ggml.token_type")?.iter().map(|v| v.to_i32().unwrap_or(1)).collect(),
+            Ok(_) => {
+                list("tokenizer.ggml.token_type")?.iter().map(|v| v.to_i32().unwrap_or(1)).collect()
+            }
             Err(_) => Vec::new(),
         };
         Ok((tokens, kinds))
@@ -134,7 +157,8 @@ impl GgufFile {
         let (tokens, kinds) = self.tokens()?;
         // llama.cpp pads a token list to the output's rows with unused `[PAD<id>]` tokens; models that
         // differ only there share a tokenizer.
-        let is_padding = |i: usize| kinds.get(i) == Some(&UNUSED_TOKEN) && tokens[i].starts_with("[PAD");
+        let is_padding =
+            |i: usize| kinds.get(i) == Some(&UNUSED_TOKEN) && tokens[i].starts_with("[PAD");
         let text_tokens = (0..tokens.len()).rev().find(|&i| !is_padding(i)).map_or(0, |i| i + 1);
         let mut hasher = Sha256::new();
         for t in &tokens[..text_tokens] {
@@ -143,18 +167,26 @@ impl GgufFile {
         }
         let fingerprint: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
 
-        let vocab_size = match self.content.tensor_infos.get("output.weight").or_else(|| self.content.tensor_infos.get("token_embd.weight")) {
+        let vocab_size = match self
+            .content
+            .tensor_infos
+            .get("output.weight")
+            .or_else(|| self.content.tensor_infos.get("token_embd.weight"))
+        {
             Some(info) => info.shape.dims()[0] as u32,
             None => tokens.len() as u32,
         };
-        let mut stop_token_ids: Vec<u32> = self.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
+        let mut stop_token_ids: Vec<u32> =
+            self.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
         for (id, t) in tokens.iter().enumerate() {
             if END_TOKENS.contains(&t.as_str()) && !stop_token_ids.contains(&(id as u32)) {
                 stop_token_ids.push(id as u32);
             }
         }
         Ok(ModelMeta {
-            name: self.string("general.name").unwrap_or_else(|_| self.path.file_stem().unwrap_or_default().to_string_lossy().into_owned()),
+            name: self.string("general.name").unwrap_or_else(|_| {
+                self.path.file_stem().unwrap_or_default().to_string_lossy().into_owned()
+            }),
             max_context: self.u32(&format!("{arch}.context_length")).unwrap_or(4096),
             architecture: arch,
             vocab_size,
@@ -175,7 +207,11 @@ pub fn read_vocabulary(path: &Path, meta: &ModelMeta) -> Result<Vocabulary, Engi
     let spelling = match gguf.string("tokenizer.ggml.model").as_deref() {
         Ok("gpt2") => Spelling::ByteLevel,
         Ok("llama" | "gemma" | "t5") => Spelling::SentencePiece,
-        other => return Err(EngineError::Unsupported(format!("constrained decoding with tokenizer model {other:?}"))),
+        other => {
+            return Err(EngineError::Unsupported(format!(
+                "constrained decoding with tokenizer model {other:?}"
+            )))
+        }
     };
     Ok(Vocabulary::new(&tokens, &kinds, spelling, meta.vocab_size, &meta.stop_token_ids)?)
 }
@@ -193,15 +229,24 @@ impl LazyVocabulary {
 
     /// Blocking the first time.
     pub fn get(&self, meta: &ModelMeta) -> Result<&Vocabulary, EngineError> {
-        let built = self.built.get_or_init(|| read_vocabulary(&self.path, meta).map_err(|e| e.to_string()));
+        let built =
+            self.built.get_or_init(|| read_vocabulary(&self.path, meta).map_err(|e| e.to_string()));
         built.as_ref().map_err(|e| EngineError::Unsupported(e.clone()))
     }
 }
 
 /// Refuses a draft/target pair whose token ids do not mean the same text (padding rows apart).
 pub fn check_same_vocabulary(draft: &ModelMeta, target: &ModelMeta) -> Result<(), EngineError> {
-    match vocabulary_mismatch(&draft.tokenizer_fingerprint, draft.vocab_size, &target.tokenizer_fingerprint, target.vocab_size) {
-        Some(why) => Err(EngineError::VocabMismatch(format!("draft {} and target {}: {why}", draft.name, target.name))),
+    match vocabulary_mismatch(
+        &draft.tokenizer_fingerprint,
+        draft.vocab_size,
+        &target.tokenizer_fingerprint,
+        target.vocab_size,
+    ) {
+        Some(why) => Err(EngineError::VocabMismatch(format!(
+            "draft {} and target {}: {why}",
+            draft.name, target.name
+        ))),
         None => Ok(()),
     }
 }
@@ -220,11 +265,23 @@ mod tests {
         let here = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
         assert_eq!(ModelSource::parse(here).unwrap(), ModelSource::Local(PathBuf::from(here)));
         assert_eq!(
-            ModelSource::parse("bartowski/Llama-3.2-1B-Instruct-GGUF:Llama-3.2-1B-Instruct-Q4_K_M.gguf").unwrap(),
-            ModelSource::Hub { repo: "bartowski/Llama-3.2-1B-Instruct-GGUF".into(), file: "Llama-3.2-1B-Instruct-Q4_K_M.gguf".into() }
+            ModelSource::parse(
+                "bartowski/Llama-3.2-1B-Instruct-GGUF:Llama-3.2-1B-Instruct-Q4_K_M.gguf"
+            )
+            .unwrap(),
+            ModelSource::Hub {
+                repo: "bartowski/Llama-3.2-1B-Instruct-GGUF".into(),
+                file: "Llama-3.2-1B-Instruct-Q4_K_M.gguf".into()
+            }
         );
         // A mistyped path must not turn into a network call.
-        for bad in ["models/missing.gguf", "/abs/missing.gguf", "owner/repo", "owner/repo:weights.bin", "a/b/c:x.gguf"] {
+        for bad in [
+            "models/missing.gguf",
+            "/abs/missing.gguf",
+            "owner/repo",
+            "owner/repo:weights.bin",
+            "a/b/c:x.gguf",
+        ] {
             assert!(matches!(ModelSource::parse(bad), Err(EngineError::ModelNotFound(_))), "{bad}");
         }
     }

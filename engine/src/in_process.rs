@@ -8,7 +8,8 @@ use spade_core::{DraftToken, Penalties, SamplingParams};
 
 use crate::round::{Round, TargetRule};
 use crate::speculative::{
-    run, BlockVerifier, DraftLength, Finish, Flow, LoopError, LoopParams, LoopStats, TokenSink, Verified, VerifyFailure, WhenUnreachable,
+    run, BlockVerifier, DraftLength, Finish, Flow, LoopError, LoopParams, LoopStats, TokenSink,
+    Verified, VerifyFailure, WhenUnreachable,
 };
 use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
 
@@ -24,14 +25,30 @@ pub struct LocalVerifier<'a> {
 
 #[async_trait::async_trait]
 impl BlockVerifier for LocalVerifier<'_> {
-    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+    async fn verify(
+        &mut self,
+        context: &[u32],
+        drafts: &[DraftToken],
+    ) -> Result<Verified, VerifyFailure> {
         let rejected = |e: EngineError| VerifyFailure::Rejected(e.to_string());
         if let Some(grammar) = &mut self.grammar {
             grammar.sync(context).map_err(|e| rejected(e.into()))?;
         }
-        let round = Round { context, drafts, rule: &self.rule, grammar: self.grammar.as_mut(), seed: self.seed, top_logprobs: self.top_logprobs };
+        let round = Round {
+            context,
+            drafts,
+            rule: &self.rule,
+            grammar: self.grammar.as_mut(),
+            seed: self.seed,
+            top_logprobs: self.top_logprobs,
+        };
         let round = round.verify(self.session).map_err(rejected)?;
-        Ok(Verified { accepted: round.outcome.accepted, committed: round.committed, logprobs: round.logprobs, verifier_time: Some(round.forward_time) })
+        Ok(Verified {
+            accepted: round.outcome.accepted,
+            committed: round.committed,
+            logprobs: round.logprobs,
+            verifier_time: Some(round.forward_time),
+        })
     }
 }
 
@@ -71,7 +88,12 @@ pub struct Generation {
 }
 
 /// The loop in-process, on a fresh draft cache (so that a seeded run reproduces).
-pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSession, prompt: &[u32], params: &GenerateParams) -> Result<Generation, LoopError> {
+pub async fn generate(
+    drafter: Option<&dyn Drafter>,
+    target: &mut dyn ScoreSession,
+    prompt: &[u32],
+    params: &GenerateParams,
+) -> Result<Generation, LoopError> {
     params.sampling.validate().map_err(EngineError::from)?;
     if let Some(drafter) = drafter {
         drafter.begin_generation(true).await;
@@ -92,7 +114,8 @@ pub async fn generate(drafter: Option<&dyn Drafter>, target: &mut dyn ScoreSessi
     };
     let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
     let grammar = params.grammar.as_ref().map(|g| g.start_at(prompt.len()));
-    let mut verifier = LocalVerifier { session: target, rule, grammar, seed: params.seed, top_logprobs: None };
+    let mut verifier =
+        LocalVerifier { session: target, rule, grammar, seed: params.seed, top_logprobs: None };
     let mut tokens = Collect::default();
     let end = run(drafter, &mut verifier, prompt, &loop_params, &mut tokens).await;
     if let Some(drafter) = drafter {

@@ -102,12 +102,23 @@ pub trait Drafter: Send + Sync {
     fn end_generation(&self) {}
 
     /// May return fewer than `n` tokens (an end-of-sequence token ends the block).
-    async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError>;
+    async fn draft(
+        &self,
+        committed: &[u32],
+        n: usize,
+        params: &DraftParams,
+    ) -> Result<Vec<DraftToken>, EngineError>;
 
     /// The same tokens as [`Drafter::draft`], each handed over as soon as it is drawn, so the loop can
     /// drop drafting it is no longer interested in; `keep`, asked after each token, may end the block
     /// sooner. By default all at once.
-    async fn draft_stream<'a>(&'a self, committed: &[u32], n: usize, params: &DraftParams, keep: Option<KeepDrafting>) -> Result<DraftStream<'a>, EngineError> {
+    async fn draft_stream<'a>(
+        &'a self,
+        committed: &[u32],
+        n: usize,
+        params: &DraftParams,
+        keep: Option<KeepDrafting>,
+    ) -> Result<DraftStream<'a>, EngineError> {
         Ok(DraftStream::ready(self.draft(committed, n, params).await?, keep))
     }
 
@@ -143,11 +154,19 @@ pub struct ContextRows {
 pub trait EdgeModel: Drafter {
     /// Chat turns through the model's chat template, with the tools shown to the model and the
     /// assistant turn opened.
-    async fn encode_conversation(&self, turns: &[Turn], tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError>;
+    async fn encode_conversation(
+        &self,
+        turns: &[Turn],
+        tools: &[ToolSpec],
+    ) -> Result<Vec<u32>, EngineError>;
     /// Ids to text, special tokens skipped. Cheap and synchronous: called for every streamed token.
     fn decode(&self, tokens: &[u32]) -> Result<String, EngineError>;
     /// Text to ids without a chat template, with the tokenizer's special tokens (BOS) when asked.
-    async fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, EngineError>;
+    async fn encode_text(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, EngineError>;
     /// Ids to text, special tokens kept.
     fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError>;
     /// The vocabulary's own string for `id` (for example `Ġthe`); None outside the vocabulary.
@@ -191,11 +210,16 @@ const TIMING_SWEEPS: usize = 3;
 /// stretch of a shared host land on one or two sizes, and 4 rows came out faster than 3, which no
 /// later pass of those sizes corrected.
 /// A model with a short context times fewer sizes, after a shorter context.
-pub fn time_passes(scorer: &dyn Scorer, max_rows: usize) -> Result<Vec<std::time::Duration>, EngineError> {
-    let (vocab, max_context) = (scorer.meta().vocab_size.clamp(1, 30_000), scorer.meta().max_context as usize);
+pub fn time_passes(
+    scorer: &dyn Scorer,
+    max_rows: usize,
+) -> Result<Vec<std::time::Duration>, EngineError> {
+    let (vocab, max_context) =
+        (scorer.meta().vocab_size.clamp(1, 30_000), scorer.meta().max_context as usize);
     let max_rows = max_rows.min(max_context / 2);
     let context = (TIMING_CONTEXT as usize).min(max_context - max_rows).max(1);
-    let tokens: Vec<u32> = (0..(context + max_rows) as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    let tokens: Vec<u32> =
+        (0..(context + max_rows) as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let mut session = scorer.new_session();
     // Also the first pass over the weights, which pays for faulting them in.
     session.score(&tokens[..context], 1)?;
@@ -229,7 +253,10 @@ impl BatchJob<'_> {
         match self.rows {
             r if r == pending => Ok(true),
             r if r >= 1 && r + self.n_logits <= pending => Ok(false),
-            r => Err(EngineError::InvalidRequest(format!("a pass of {r} rows of the {pending} left would split the {} rows that need logits", self.n_logits))),
+            r => Err(EngineError::InvalidRequest(format!(
+                "a pass of {r} rows of the {pending} left would split the {} rows that need logits",
+                self.n_logits
+            ))),
         }
     }
 
@@ -237,7 +264,8 @@ impl BatchJob<'_> {
         if self.finishes()? {
             return self.session.score(self.tokens, self.n_logits).map(Some);
         }
-        let end = self.tokens.len() - self.session.rows_to_score(self.tokens, self.n_logits) + self.rows;
+        let end =
+            self.tokens.len() - self.session.rows_to_score(self.tokens, self.n_logits) + self.rows;
         self.session.score(&self.tokens[..end], 1).map(|_| None)
     }
 }

@@ -5,7 +5,10 @@ use std::time::{Duration, Instant};
 
 use spade_core::grammar::GrammarState;
 use spade_core::protocol::TokenLogprob;
-use spade_core::{distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, Penalties, SamplingParams, SparseDist};
+use spade_core::{
+    distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, Penalties, SamplingParams,
+    SparseDist,
+};
 
 use crate::{EngineError, ScoreSession};
 
@@ -31,9 +34,17 @@ pub struct TargetRule {
 impl TargetRule {
     /// The target's distributions at the block's d+1 positions: position i sees the context and
     /// drafts `..i` as its history, exactly what target-only decoding would have seen there.
-    fn distributions(&self, logits: &[Vec<f32>], context: &[u32], drafts: &[u32]) -> Result<Vec<SparseDist>, EngineError> {
+    fn distributions(
+        &self,
+        logits: &[Vec<f32>],
+        context: &[u32],
+        drafts: &[u32],
+    ) -> Result<Vec<SparseDist>, EngineError> {
         let Some(penalties) = &self.penalties else {
-            return Ok(logits.iter().map(|l| distribution(l, &self.sampling)).collect::<Result<_, _>>()?);
+            return Ok(logits
+                .iter()
+                .map(|l| distribution(l, &self.sampling))
+                .collect::<Result<_, _>>()?);
         };
         let mut history = penalties.history(context);
         let mut p = Vec::with_capacity(logits.len());
@@ -77,7 +88,11 @@ impl Round<'_> {
         let tokens = self.tokens()?;
         let started = Instant::now();
         let logits = session.score(&tokens, self.drafts.len() + 1)?;
-        self.judge(ScoredBlock { logits, text_tokens: session.text_tokens(), forward_time: started.elapsed() })
+        self.judge(ScoredBlock {
+            logits,
+            text_tokens: session.text_tokens(),
+            forward_time: started.elapsed(),
+        })
     }
 
     /// The sequence a round scores, context then drafts; its last `drafts.len() + 1` positions need
@@ -96,7 +111,11 @@ impl Round<'_> {
         let Round { context, drafts, rule, grammar, seed, top_logprobs } = self;
         let ScoredBlock { mut logits, text_tokens, forward_time } = scored;
         if logits.len() != drafts.len() + 1 {
-            return Err(EngineError::InvalidRequest(format!("{} logit rows for {} drafts", logits.len(), drafts.len())));
+            return Err(EngineError::InvalidRequest(format!(
+                "{} logit rows for {} drafts",
+                logits.len(),
+                drafts.len()
+            )));
         }
         let draft_tokens: Vec<u32> = drafts.iter().map(|d| d.token).collect();
         // Padding rows are no text: masked in every mode (log-probabilities included), so a target
@@ -120,7 +139,9 @@ impl Round<'_> {
         };
         let committed = outcome.committed(&draft_tokens);
         let logprobs = match top_logprobs {
-            Some(n) => committed.iter().zip(&logits).map(|(&t, l)| token_logprob(l, t, n)).collect(),
+            Some(n) => {
+                committed.iter().zip(&logits).map(|(&t, l)| token_logprob(l, t, n)).collect()
+            }
             None => Vec::new(),
         };
         Ok(RoundResult { outcome, committed, logprobs, forward_time })
@@ -134,7 +155,9 @@ fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();
     let k = top.min(order.len());
     if k > 0 {
-        order.select_nth_unstable_by(k - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        order.select_nth_unstable_by(k - 1, |&a, &b| {
+            logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b))
+        });
         order.truncate(k);
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
     } else {

@@ -20,7 +20,11 @@ use crate::{DraftParams, Drafter, EngineError};
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
 #[async_trait::async_trait]
 pub trait BlockVerifier: Send {
-    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure>;
+    async fn verify(
+        &mut self,
+        context: &[u32],
+        drafts: &[DraftToken],
+    ) -> Result<Verified, VerifyFailure>;
 }
 
 /// What one verified block commits.
@@ -48,7 +52,11 @@ pub enum VerifyFailure {
 /// Receives each committed token, in order.
 #[async_trait::async_trait]
 pub trait TokenSink: Send {
-    async fn commit(&mut self, token: u32, logprob: Option<&TokenLogprob>) -> Result<Flow, EngineError>;
+    async fn commit(
+        &mut self,
+        token: u32,
+        logprob: Option<&TokenLogprob>,
+    ) -> Result<Flow, EngineError>;
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -156,7 +164,8 @@ pub async fn run(
     sink: &mut dyn TokenSink,
 ) -> Result<LoopEnd, LoopError> {
     let stats = LoopStats { degraded: params.start_degraded, ..Default::default() };
-    let mut state = Loop { seq: prompt.to_vec(), stats, params, sink, can_draft_alone: drafter.is_some() };
+    let mut state =
+        Loop { seq: prompt.to_vec(), stats, params, sink, can_draft_alone: drafter.is_some() };
     let mut pacing = Pacing::new(&params.draft_len, params.draft_ahead);
     let drafting = drafter.filter(|_| params.draft_len.max() > 0);
     // Drafted during the last verify call, for the current prefix; and whether that was the first
@@ -167,10 +176,12 @@ pub async fn run(
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
         let drafter = match (drafter, drafting) {
-            (Some(drafter), _) if state.stats.degraded => match state.draft_alone_round(drafter, remaining).await? {
-                Some(finish) => return Ok(state.end(finish, &pacing)),
-                None => continue,
-            },
+            (Some(drafter), _) if state.stats.degraded => {
+                match state.draft_alone_round(drafter, remaining).await? {
+                    Some(finish) => return Ok(state.end(finish, &pacing)),
+                    None => continue,
+                }
+            }
             (_, drafter) => drafter,
         };
         // A block commits at most d + 1 tokens: never draft past the budget.
@@ -186,7 +197,9 @@ pub async fn run(
         let start_includes_prompt = from_ahead && std::mem::take(&mut ahead_processed_prompt);
         let block = match (drafter, ahead.take()) {
             (Some(_), Some(pre)) => Some(pre.without_guess(d)),
-            (Some(drafter), None) if d > 0 => Some(Block::start(drafter, &state.seq, d, false, &params.draft, &pacing).await?),
+            (Some(drafter), None) if d > 0 => {
+                Some(Block::start(drafter, &state.seq, d, false, &params.draft, &pacing).await?)
+            }
             _ => None,
         };
         let drafted = match block {
@@ -206,7 +219,11 @@ pub async fn run(
         let mut context = Vec::new();
         let mut next = match drafter {
             Some(drafter)
-                if params.draft_ahead && after > 1 && (next_d > 0 || pacing.probe()) && !ends_with_stop(drafts, params) && !drafter.others_drafting() =>
+                if params.draft_ahead
+                    && after > 1
+                    && (next_d > 0 || pacing.probe())
+                    && !ends_with_stop(drafts, params)
+                    && !drafter.others_drafting() =>
             {
                 context.extend_from_slice(&state.seq);
                 context.extend(drafts.iter().map(|t| t.token));
@@ -221,7 +238,8 @@ pub async fn run(
                 (Some(next), _) => next.pull_while(call).await,
                 // Without draft-ahead, the first call still overlaps the draft's prefill.
                 (None, Some(drafter)) if first => {
-                    let (verified, warmed) = tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
+                    let (verified, warmed) =
+                        tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
                     // A failed prefill only costs speed; the next draft call reports a real failure.
                     if let Err(e) = warmed {
                         tracing::debug!("draft prefill failed: {e}");
@@ -262,7 +280,13 @@ pub async fn run(
         }
         // The first call prefills the prompt: its time says nothing about a block's cost per round,
         // nor does the start of the block drafted ahead during it (~1 s of the draft's prompt here).
-        let mut round = observation(&drafted, verified.accepted, latency, verified.verifier_time, guess_matched);
+        let mut round = observation(
+            &drafted,
+            verified.accepted,
+            latency,
+            verified.verifier_time,
+            guess_matched,
+        );
         if start_includes_prompt {
             round.draft_start = Duration::ZERO;
         }
@@ -308,10 +332,17 @@ struct Loop<'a> {
 impl Loop<'_> {
     /// A verify call's outcome, checked. None when the verifier is unreachable and the loop goes on
     /// with the draft model alone.
-    fn check(&mut self, verified: Result<Verified, VerifyFailure>, drafts: &[DraftToken]) -> Result<Option<Verified>, LoopError> {
+    fn check(
+        &mut self,
+        verified: Result<Verified, VerifyFailure>,
+        drafts: &[DraftToken],
+    ) -> Result<Option<Verified>, LoopError> {
         let verified = match verified {
             Ok(v) => v,
-            Err(VerifyFailure::Unreachable(e)) if self.params.when_unreachable == WhenUnreachable::DraftAlone && self.can_draft_alone => {
+            Err(VerifyFailure::Unreachable(e))
+                if self.params.when_unreachable == WhenUnreachable::DraftAlone
+                    && self.can_draft_alone =>
+            {
                 tracing::warn!("verifier unreachable ({e}); continuing with the draft model alone");
                 self.stats.degraded = true;
                 return Ok(None);
@@ -331,7 +362,11 @@ impl Loop<'_> {
     }
 
     /// Counts a verified block and commits what it commits. Some(finish) when the generation is over.
-    async fn commit_block(&mut self, drafts: &[DraftToken], verified: &Verified) -> Result<Option<Finish>, LoopError> {
+    async fn commit_block(
+        &mut self,
+        drafts: &[DraftToken],
+        verified: &Verified,
+    ) -> Result<Option<Finish>, LoopError> {
         self.stats.target_calls += 1;
         self.stats.drafted += drafts.len();
         self.stats.accepted += verified.accepted;
@@ -346,7 +381,11 @@ impl Loop<'_> {
         self.commit_all(&verified.committed, &verified.logprobs).await
     }
 
-    async fn draft_alone_round(&mut self, drafter: &dyn Drafter, remaining: usize) -> Result<Option<Finish>, LoopError> {
+    async fn draft_alone_round(
+        &mut self,
+        drafter: &dyn Drafter,
+        remaining: usize,
+    ) -> Result<Option<Finish>, LoopError> {
         let d = DEGRADED_BLOCK.max(self.params.draft_len.max()).min(remaining);
         let started = Instant::now();
         let drafts = drafter.draft(&self.seq, d, &self.params.draft).await?;
@@ -358,7 +397,11 @@ impl Loop<'_> {
         self.commit_all(&tokens, &[]).await
     }
 
-    async fn commit_all(&mut self, tokens: &[u32], logprobs: &[TokenLogprob]) -> Result<Option<Finish>, LoopError> {
+    async fn commit_all(
+        &mut self,
+        tokens: &[u32],
+        logprobs: &[TokenLogprob],
+    ) -> Result<Option<Finish>, LoopError> {
         for (i, &token) in tokens.iter().enumerate() {
             self.seq.push(token);
             self.stats.committed += 1;

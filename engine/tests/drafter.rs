@@ -14,7 +14,8 @@ use spade_engine::{Drafter, KeepDrafting, MistralDrafter, Role, Scorer};
 /// Total variation distance. Not KL: q is quantised to 1/4096, so a last-bit difference in the
 /// logits can move a tiny entry in or out of the support, which KL (log of 0) magnifies.
 fn tv(p: &spade_core::SparseDist, q: &spade_core::SparseDist) -> f64 {
-    let only_q: f64 = q.entries().iter().filter(|&&(t, _)| p.prob(t) == 0.0).map(|&(t, _)| q.prob(t)).sum();
+    let only_q: f64 =
+        q.entries().iter().filter(|&&(t, _)| p.prob(t) == 0.0).map(|&(t, _)| q.prob(t)).sum();
     (p.entries().iter().map(|&(t, _)| (p.prob(t) - q.prob(t)).abs()).sum::<f64>() + only_q) / 2.0
 }
 
@@ -69,7 +70,10 @@ async fn all_accepted_rounds_draft_like_a_cold_engine() {
     let cold = drafter(TINY, DrafterOptions::default()).await;
     let (max_tv, after_full) = warm_vs_cold(&warm, &cold, 16).await;
     println!("max total variation {max_tv:.2e} over {after_full} rounds after all-accepted rounds");
-    assert!(after_full >= 4, "the test needs rounds that follow all-accepted rounds, got {after_full}");
+    assert!(
+        after_full >= 4,
+        "the test needs rounds that follow all-accepted rounds, got {after_full}"
+    );
     assert!(max_tv < 0.15, "warm drafts diverge from cold ones: total variation {max_tv}");
 }
 
@@ -81,10 +85,15 @@ async fn all_accepted_rounds_draft_like_a_cold_engine() {
 async fn a_partial_hit_leaves_the_cached_round_intact() {
     let warm = drafter(TINY, DrafterOptions::default()).await;
     let cold = drafter(TINY, DrafterOptions::default()).await;
-    let params = DraftParams { sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() }, seed: 5, ..DraftParams::default() };
+    let params = DraftParams {
+        sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+        seed: 5,
+        ..DraftParams::default()
+    };
     let context = warm.encode_chat(&[(Role::User, PROMPTS[1].into())]).await.unwrap();
     warm.begin_generation(false).await;
-    let first: Vec<u32> = warm.draft(&context, 8, &params).await.unwrap().iter().map(|d| d.token).collect();
+    let first: Vec<u32> =
+        warm.draft(&context, 8, &params).await.unwrap().iter().map(|d| d.token).collect();
     // Keep the first draft, then seven other tokens over the positions of the rest.
     let mut other = context.clone();
     other.push(first[0]);
@@ -98,14 +107,27 @@ async fn a_partial_hit_leaves_the_cached_round_intact() {
     let reference = cold.draft(&whole, 4, &params).await.unwrap();
     cold.end_generation();
     // Position by position while both drafted the same tokens (each q follows the same prefix).
-    let same_prefix = 1 + again.iter().zip(&reference).take_while(|(a, b)| a.token == b.token).count();
-    let worst = again.iter().zip(&reference).take(same_prefix).map(|(a, b)| tv(&b.q, &a.q)).fold(0.0, f64::max);
+    let same_prefix =
+        1 + again.iter().zip(&reference).take_while(|(a, b)| a.token == b.token).count();
+    let worst = again
+        .iter()
+        .zip(&reference)
+        .take(same_prefix)
+        .map(|(a, b)| tv(&b.q, &a.q))
+        .fold(0.0, f64::max);
     println!("after a partial hit, drafts on the whole cached round differ from a cold engine's by total variation {worst:.3}");
-    assert!(worst < 0.15, "the partial hit overwrote the cached round's rows: total variation {worst}");
+    assert!(
+        worst < 0.15,
+        "the partial hit overwrote the cached round's rows: total variation {worst}"
+    );
 }
 
 /// Drafting `rounds` rounds of 4 from `prompt`, every draft accepted plus one more token: the time.
-async fn draft_run(own: &MistralDrafter, prompt: &[u32], rounds: usize) -> (std::time::Duration, Vec<u32>) {
+async fn draft_run(
+    own: &MistralDrafter,
+    prompt: &[u32],
+    rounds: usize,
+) -> (std::time::Duration, Vec<u32>) {
     let params = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
     let started = std::time::Instant::now();
     own.begin_generation(false).await;
@@ -129,21 +151,34 @@ async fn repeating_a_generation_is_served_from_the_cache() {
     let own = drafter(TINY, DrafterOptions::default()).await;
     let long_prompt = PROMPTS.join(" Then: ");
     let prompt = own.encode_chat(&[(Role::User, long_prompt)]).await.unwrap();
-    assert!(prompt.len() > 150, "the prompt should cost a visible prefill ({} tokens)", prompt.len());
+    assert!(
+        prompt.len() > 150,
+        "the prompt should cost a visible prefill ({} tokens)",
+        prompt.len()
+    );
     let (first, seq_a) = draft_run(&own, &prompt, 12).await;
     let rows = own.context_rows();
     assert!(rows.computed >= prompt.len() as u64, "the first run computes the prompt: {rows:?}");
     let (again, seq_b) = draft_run(&own, &prompt, 12).await;
     // The repeat's first round finds the whole prompt but its last token cached (its logits are needed).
     let repeat = own.context_rows();
-    assert!(repeat.cached - rows.cached >= prompt.len() as u64 - 1, "the repeat's prompt was not served from the cache: {rows:?} then {repeat:?}");
-    assert!(repeat.computed - rows.computed < prompt.len() as u64, "the repeat computed its prompt again: {rows:?} then {repeat:?}");
+    assert!(
+        repeat.cached - rows.cached >= prompt.len() as u64 - 1,
+        "the repeat's prompt was not served from the cache: {rows:?} then {repeat:?}"
+    );
+    assert!(
+        repeat.computed - rows.computed < prompt.len() as u64,
+        "the repeat computed its prompt again: {rows:?} then {repeat:?}"
+    );
     // Not compared token for token: a row served from the cache and one computed in a batch can
     // differ in the last bits, enough to flip a near tie (all_accepted_rounds_draft_like_a_cold_engine
     // bounds that difference). Here they first differed 12 tokens into the generation.
     let same = seq_a.iter().zip(&seq_b).take_while(|(a, b)| a == b).count() - prompt.len();
     println!("12 rounds on a {}-token prompt: first {first:?}, repeated {again:?}; the first {same} tokens agree", prompt.len());
-    assert!(again.as_secs_f64() < 2.0 * first.as_secs_f64(), "the repeat re-ran the prompt: {again:?} vs {first:?}");
+    assert!(
+        again.as_secs_f64() < 2.0 * first.as_secs_f64(),
+        "the repeat re-ran the prompt: {again:?} vs {first:?}"
+    );
 }
 
 /// Under greedy decoding q is a point mass, so the confidence handed over beside each token is the
@@ -178,7 +213,10 @@ async fn greedy_drafts_carry_their_softmax_probability_as_confidence() {
     }
     let mean = differences.iter().sum::<f32>() / differences.len() as f32;
     let max = differences.iter().copied().fold(0.0, f32::max);
-    assert!(mean < 0.04 && max < 0.15, "confidence vs the scorer's softmax: mean difference {mean}, max {max}");
+    assert!(
+        mean < 0.04 && max < 0.15,
+        "confidence vs the scorer's softmax: mean difference {mean}, max {max}"
+    );
     let confidences: Vec<f32> = drawn.iter().map(|d| d.confidence).collect();
     println!("greedy confidences {confidences:?}");
     assert!(confidences.iter().any(|&c| c < 0.99), "no unsure token in {confidences:?}");
@@ -192,7 +230,11 @@ async fn greedy_drafts_carry_their_softmax_probability_as_confidence() {
 async fn a_block_its_rule_ends_stops_at_that_token_and_leaves_the_cache_sound() {
     let warm = drafter(TINY, DrafterOptions::default()).await;
     let cold = drafter(TINY, DrafterOptions::default()).await;
-    let params = DraftParams { sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() }, seed: 7, ..DraftParams::default() };
+    let params = DraftParams {
+        sampling: SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+        seed: 7,
+        ..DraftParams::default()
+    };
     let context = warm.encode_chat(&[(Role::User, PROMPTS[2].into())]).await.unwrap();
     cold.begin_generation(true).await;
     let whole = cold.draft(&context, 8, &params).await.unwrap();
@@ -228,7 +270,11 @@ async fn a_block_its_rule_ends_stops_at_that_token_and_leaves_the_cache_sound() 
     let reference = cold.draft(&next_context, 4, &params).await.unwrap();
     cold.end_generation();
     for (x, y) in next.iter().zip(&reference) {
-        assert!(tv(&y.q, &x.q) < 0.15, "a draft after a rule-ended block differs from a cold one: total variation {}", tv(&y.q, &x.q));
+        assert!(
+            tv(&y.q, &x.q) < 0.15,
+            "a draft after a rule-ended block differs from a cold one: total variation {}",
+            tv(&y.q, &x.q)
+        );
         if x.token != y.token {
             break;
         }

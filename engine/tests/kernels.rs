@@ -70,28 +70,37 @@ fn qmatmul_rows_are_bit_identical_alone_or_in_blocks() {
                 // Each row alone.
                 let single: Vec<Vec<f32>> = (0..mmax)
                     .map(|r| {
-                        let xt = Tensor::from_vec(x[r * k..(r + 1) * k].to_vec(), (1, k), &dev).unwrap();
+                        let xt =
+                            Tensor::from_vec(x[r * k..(r + 1) * k].to_vec(), (1, k), &dev).unwrap();
                         mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap()
                     })
                     .collect();
                 for m in [1usize, 2, 3, 4, 5, 6, 7, 8, 12, 13] {
                     // Rows 0..m, and a block starting at an offset (rows land in other tile slots).
                     for start in [0usize, mmax - m] {
-                        let xt = Tensor::from_vec(x[start * k..(start + m) * k].to_vec(), (m, k), &dev).unwrap();
-                        let got: Vec<f32> = mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                        let xt =
+                            Tensor::from_vec(x[start * k..(start + m) * k].to_vec(), (m, k), &dev)
+                                .unwrap();
+                        let got: Vec<f32> =
+                            mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
                         for r in 0..m {
                             let row = &got[r * n..(r + 1) * n];
                             let want = &single[start + r];
-                            let same = row.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                            let same =
+                                row.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
                             assert!(same, "{dtype:?} n={n} k={k} m={m} start={start} row {r}: {row:?} != {want:?}");
                         }
                     }
                 }
                 // A batched (b, m, k) input is the same rows again.
                 let xt = Tensor::from_vec(x[..6 * k].to_vec(), (2, 3, k), &dev).unwrap();
-                let got: Vec<f32> = mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+                let got: Vec<f32> =
+                    mm.forward(&xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
                 let want: Vec<f32> = single[..6].concat();
-                assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} batched");
+                assert!(
+                    got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype:?} batched"
+                );
             }
         }
     }
@@ -118,7 +127,11 @@ fn check_kernels<T: GgmlType>(k: usize) {
         let slow = T::vec_dot_unopt(k, &w, y);
         // Both sum exact integer block dot products scaled by f32 factors, in different orders.
         let mag: f32 = wd.iter().zip(xf).map(|(a, b)| (a * b).abs()).sum();
-        assert!((fast - slow).abs() <= 1e-5 * mag + 1e-30, "{:?} k={k}: simd {fast} vs scalar {slow} (magnitude {mag})", T::DTYPE);
+        assert!(
+            (fast - slow).abs() <= 1e-5 * mag + 1e-30,
+            "{:?} k={k}: simd {fast} vs scalar {slow} (magnitude {mag})",
+            T::DTYPE
+        );
     }
     let single: Vec<f32> = ys.iter().map(|(y, _)| T::vec_dot(k, &w, y)).collect();
     let r1 = T::vec_dot_rows::<1>(k, &w, [&ys[0].0]);
@@ -129,7 +142,12 @@ fn check_kernels<T: GgmlType>(k: usize) {
     let r6 = T::vec_dot_rows::<6>(k, &w, std::array::from_fn(|r| ys[r].0.as_slice()));
     for got in [&r1[..], &r2[..], &r3[..], &r4[..], &r5[..], &r6[..]] {
         for (r, v) in got.iter().enumerate() {
-            assert_eq!(v.to_bits(), single[r].to_bits(), "{:?} k={k} vec_dot_rows row {r}", T::DTYPE);
+            assert_eq!(
+                v.to_bits(),
+                single[r].to_bits(),
+                "{:?} k={k} vec_dot_rows row {r}",
+                T::DTYPE
+            );
         }
     }
 }
@@ -161,7 +179,8 @@ fn simd_dot_products_match_scalar_reference() {
 #[test]
 fn vnni_kernels_equal_the_avx2_ones_bit_for_bit() {
     use candle_core::quantized::avx::{allow_vnni, AVX2, AVX512_VNNI, AVX_VNNI};
-    let kinds: Vec<u8> = [AVX_VNNI, AVX512_VNNI].into_iter().filter(|&kind| allow_vnni(kind) == kind).collect();
+    let kinds: Vec<u8> =
+        [AVX_VNNI, AVX512_VNNI].into_iter().filter(|&kind| allow_vnni(kind) == kind).collect();
     if kinds.is_empty() {
         eprintln!("this CPU has neither AVX-VNNI nor AVX512-VNNI: only the AVX2 kernels run here");
     }
@@ -181,7 +200,10 @@ fn vnni_kernels_equal_the_avx2_ones_bit_for_bit() {
                 for &kind in &kinds {
                     let vnni = run(kind);
                     let same = avx2.iter().zip(&vnni).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{dtype:?} k={k} m={m}: VNNI kind {kind} {vnni:?} != AVX2 {avx2:?}");
+                    assert!(
+                        same,
+                        "{dtype:?} k={k} m={m}: VNNI kind {kind} {vnni:?} != AVX2 {avx2:?}"
+                    );
                 }
             }
         }

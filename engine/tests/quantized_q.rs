@@ -44,5 +44,9 @@ async fn quantised_q_costs_under_a_point_of_acceptance() {
         entries as f64 / positions as f64
     );
     assert!(positions > 100);
-    assert!((exact - quantised).abs() < 0.01, "quantising q moved acceptance by {:.4}", quantised - exact);
+    assert!(
+        (exact - quantised).abs() < 0.01,
+        "quantising q moved acceptance by {:.4}",
+        quantised - exact
+    );
 }

@@ -17,7 +17,9 @@ use spade_core::openai::Role;
 use spade_core::{distribution, Penalties, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::round::TargetRule;
-use spade_engine::speculative::{self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable};
+use spade_engine::speculative::{
+    self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable,
+};
 use spade_engine::{DraftParams, SharedGrammar};
 use spade_engine::{Drafter, Scorer};
 use spade_test_support::chi_square_critical as critical;
@@ -31,7 +33,12 @@ async fn drafted_tokens_follow_the_targets_distribution() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_tokens_follow_the_penalised_targets_distribution() {
-    let penalties = Penalties { presence_penalty: 0.7, frequency_penalty: 0.5, repetition_penalty: 1.3, ..Penalties::default() };
+    let penalties = Penalties {
+        presence_penalty: 0.7,
+        frequency_penalty: 0.5,
+        repetition_penalty: 1.3,
+        ..Penalties::default()
+    };
     second_token_follows_p(Some(penalties), None).await;
 }
 
@@ -50,15 +57,30 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
     let draft = drafter(TINY, DrafterOptions::default()).await;
     let prompt = draft.encode_chat(&[(Role::User, "Name a colour.".to_string())]).await.unwrap();
     let sampling = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
-    let draft_sampling = SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
+    let draft_sampling =
+        SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
 
     let mut session = target.new_session();
     let first_logits = session.score(&prompt, 1).unwrap().remove(0);
     // Bias the raw favourite at token 2 down and a runner-up at token 1 up: both change the answer.
     let penalties = penalties.map(|p| {
-        let second_raw = argmax(&session.score(&[prompt.clone(), vec![argmax(&first_logits) as u32]].concat(), 1).unwrap()[0]) as u32;
-        let runner_up = distribution(&first_logits, &SamplingParams { top_k: 2, ..sampling }).unwrap().entries().iter().map(|e| e.0).max().unwrap();
-        Penalties { prompt_len: prompt.len() as u32, logit_bias: [(second_raw, -1.5), (runner_up, 1.0)].into(), ..p }
+        let second_raw = argmax(
+            &session
+                .score(&[prompt.clone(), vec![argmax(&first_logits) as u32]].concat(), 1)
+                .unwrap()[0],
+        ) as u32;
+        let runner_up = distribution(&first_logits, &SamplingParams { top_k: 2, ..sampling })
+            .unwrap()
+            .entries()
+            .iter()
+            .map(|e| e.0)
+            .max()
+            .unwrap();
+        Penalties {
+            prompt_len: prompt.len() as u32,
+            logit_bias: [(second_raw, -1.5), (runner_up, 1.0)].into(),
+            ..p
+        }
     });
     let p_at = |context: &[u32], logits: &[f32]| -> SparseDist {
         let mut logits = logits.to_vec();
@@ -80,11 +102,17 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
     if penalties.is_some() || grammar.is_some() {
         // The test must be able to tell penalties or a grammar applied from ignored.
         let raw = distribution(&second_logits, &sampling).unwrap();
-        let distance: f64 = (0..target.meta().vocab_size).map(|t| (p2.prob(t) - raw.prob(t)).abs()).sum::<f64>() / 2.0;
-        assert!(distance > 0.1, "penalties or grammar barely change p at token 2 (total variation {distance:.3})");
+        let distance: f64 =
+            (0..target.meta().vocab_size).map(|t| (p2.prob(t) - raw.prob(t)).abs()).sum::<f64>()
+                / 2.0;
+        assert!(
+            distance > 0.1,
+            "penalties or grammar barely change p at token 2 (total variation {distance:.3})"
+        );
     }
 
-    let (mut counts, mut kept, mut drafted, mut accepted) = (std::collections::BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
+    let (mut counts, mut kept, mut drafted, mut accepted) =
+        (std::collections::BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
     for seed in 0..SAMPLES {
         let params = LoopParams {
             max_new_tokens: 4,
@@ -104,10 +132,19 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
         // serve the prompt's KV rows, and each sample's randomness is keyed by its own seed.
         let rule = TargetRule { sampling, penalties: penalties.clone() };
         let grammar = grammar.as_ref().map(|g| g.start_at(prompt.len()));
-        let mut verifier = LocalVerifier { session: session.as_mut(), rule, grammar, seed, top_logprobs: None };
+        let mut verifier =
+            LocalVerifier { session: session.as_mut(), rule, grammar, seed, top_logprobs: None };
         let mut tokens = Collect::default();
         draft.begin_generation(false).await;
-        let end = speculative::run(Some(&draft as &dyn Drafter), &mut verifier, &prompt, &params, &mut tokens).await.unwrap();
+        let end = speculative::run(
+            Some(&draft as &dyn Drafter),
+            &mut verifier,
+            &prompt,
+            &params,
+            &mut tokens,
+        )
+        .await
+        .unwrap();
         draft.end_generation();
         drafted += end.stats.drafted;
         accepted += end.stats.accepted;
@@ -118,7 +155,10 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
     }
     let mut stat = 0.0;
     for (&token, &count) in &counts {
-        assert!(p2.prob(token) > 0.0, "token {token} has target probability 0 but was committed {count} times");
+        assert!(
+            p2.prob(token) > 0.0,
+            "token {token} has target probability 0 but was committed {count} times"
+        );
     }
     for &(token, p) in p2.entries() {
         let expected = p as f64 * kept as f64;
@@ -132,6 +172,9 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
         critical(df)
     );
     assert!(kept >= 150, "too few samples with the likely first token: {kept}");
-    assert!(accepted > 0 && accepted < drafted, "both acceptances and rejections should occur: {accepted} of {drafted}");
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "both acceptances and rejections should occur: {accepted} of {drafted}"
+    );
     assert!(stat < critical(df), "token 2 is not distributed as the target's p: chi-square {stat:.1}; counts {counts:?}; p {:?}", p2.entries());
 }

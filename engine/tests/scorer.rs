@@ -22,7 +22,11 @@ fn block_scoring_is_bitwise_equal_to_one_at_a_time() {
         single.score(&toks[..32], 1).unwrap();
         for i in 0..8 {
             let row = single.score(&toks[..33 + i], 1).unwrap();
-            assert!(row[0] == all[i], "{name}: position {} differs between block and single scoring", 32 + i);
+            assert!(
+                row[0] == all[i],
+                "{name}: position {} differs between block and single scoring",
+                32 + i
+            );
         }
         // Rejection: truncate by scoring a diverging sequence; the result equals a cold session's.
         let mut diverged = toks[..36].to_vec();
@@ -41,7 +45,9 @@ fn batched_passes_are_bitwise_equal_to_each_session_alone() {
     for name in [TINY, DRAFT] {
         let scorer = scorer(name);
         let vocab = scorer.meta().vocab_size.min(30_000);
-        let seq = |salt: u32, len: u32| (0..len).map(|i| (i * 7919 + salt * 104_729 + 13) % vocab).collect::<Vec<u32>>();
+        let seq = |salt: u32, len: u32| {
+            (0..len).map(|i| (i * 7919 + salt * 104_729 + 13) % vocab).collect::<Vec<u32>>()
+        };
         // (sequence, logit rows, rows this pass) per session, three passes.
         let long = seq(1, 45);
         let (a, b, c) = (seq(2, 9), seq(3, 6), seq(4, 12));
@@ -60,16 +66,27 @@ fn batched_passes_are_bitwise_equal_to_each_session_alone() {
         for (pass, jobs) in passes.iter().enumerate() {
             let mut batch: Vec<spade_engine::BatchJob<'_>> = Vec::new();
             for ((tokens, n, rows), session) in jobs.iter().zip(sessions.iter_mut()) {
-                batch.push(spade_engine::BatchJob { session: session.as_mut(), tokens, n_logits: *n, rows: *rows });
+                batch.push(spade_engine::BatchJob {
+                    session: session.as_mut(),
+                    tokens,
+                    n_logits: *n,
+                    rows: *rows,
+                });
             }
             let results = scorer.score_batch(&mut batch);
             drop(batch);
             for (i, ((tokens, n, _), result)) in jobs.iter().zip(results).enumerate() {
                 let result = result.unwrap_or_else(|e| panic!("{name} pass {pass} job {i}: {e}"));
-                assert_eq!(sessions[i].cached_tokens(), &tokens[..sessions[i].cached_tokens().len()]);
+                assert_eq!(
+                    sessions[i].cached_tokens(),
+                    &tokens[..sessions[i].cached_tokens().len()]
+                );
                 if let Some(logits) = result {
                     let want = alone[i].score(tokens, *n).unwrap();
-                    assert!(logits == want, "{name} pass {pass}: session {i}'s logits differ from scoring it alone");
+                    assert!(
+                        logits == want,
+                        "{name} pass {pass}: session {i}'s logits differ from scoring it alone"
+                    );
                 }
             }
         }
@@ -103,7 +120,13 @@ async fn agrees_with_mistralrs_raw_logits() {
     for name in [TINY, DRAFT] {
         let scorer = scorer(name);
         let drafter = drafter(name, DrafterOptions::default()).await;
-        let toks = drafter.encode_chat(&[(Role::User, "Write a haiku about the sea, then explain what a haiku is.".into())]).await.unwrap();
+        let toks = drafter
+            .encode_chat(&[(
+                Role::User,
+                "Write a haiku about the sea, then explain what a haiku is.".into(),
+            )])
+            .await
+            .unwrap();
         let ours = scorer.new_session().score(&toks, toks.len()).unwrap();
         let theirs = drafter.raw_logits(&toks).await.unwrap();
         let theirs = &theirs[theirs.len() - ours.len()..];
@@ -116,7 +139,12 @@ async fn agrees_with_mistralrs_raw_logits() {
             max_kl = max_kl.max(kl);
             if top2_margin(b) > 0.5 {
                 checked += 1;
-                assert_eq!(argmax(a), argmax(b), "{name}: argmax differs at position {i} (margin {})", top2_margin(b));
+                assert_eq!(
+                    argmax(a),
+                    argmax(b),
+                    "{name}: argmax differs at position {i} (margin {})",
+                    top2_margin(b)
+                );
             }
         }
         let mean_kl = kl_sum / ours.len() as f64;
@@ -130,7 +158,11 @@ async fn agrees_with_mistralrs_raw_logits() {
 #[test]
 fn a_pair_with_different_vocabularies_is_refused() {
     use spade_engine::{check_same_vocabulary, read_meta, EngineError};
-    let (tiny, draft, target) = (read_meta(&model_path(TINY)).unwrap(), read_meta(&model_path(DRAFT)).unwrap(), read_meta(&model_path(TARGET)).unwrap());
+    let (tiny, draft, target) = (
+        read_meta(&model_path(TINY)).unwrap(),
+        read_meta(&model_path(DRAFT)).unwrap(),
+        read_meta(&model_path(TARGET)).unwrap(),
+    );
     check_same_vocabulary(&draft, &target).expect("the Qwen pair shares one tokenizer");
     let err = check_same_vocabulary(&tiny, &target).unwrap_err();
     assert!(matches!(err, EngineError::VocabMismatch(_)), "{err}");
@@ -156,13 +188,25 @@ fn a_session_from_a_cached_prefix_scores_like_a_cold_prefill() {
             donor.score(&donor_tokens, 1).unwrap();
             let mut warm = donor.fork(k).expect("the candle scorer copies its cache");
             assert_eq!(warm.cached_tokens(), &context[..k]);
-            assert_eq!(warm.rows_to_score(&context, context.len() - k), context.len() - k, "{name}: only the rest is computed");
+            assert_eq!(
+                warm.rows_to_score(&context, context.len() - k),
+                context.len() - k,
+                "{name}: only the rest is computed"
+            );
             let rows = warm.score(&context, context.len() - k).unwrap();
             for (i, row) in rows.iter().enumerate() {
-                assert!(*row == cold[k - first + i], "{name}: row {} differs between a cold prefill and one from a {k}-token prefix", k + i);
+                assert!(
+                    *row == cold[k - first + i],
+                    "{name}: row {} differs between a cold prefill and one from a {k}-token prefix",
+                    k + i
+                );
             }
             // The donor's own rows are untouched by the copy's growth.
-            assert!(donor.score(&donor_tokens, 1).unwrap() == scorer.new_session().score(&donor_tokens, 1).unwrap(), "{name}: the donor changed");
+            assert!(
+                donor.score(&donor_tokens, 1).unwrap()
+                    == scorer.new_session().score(&donor_tokens, 1).unwrap(),
+                "{name}: the donor changed"
+            );
         }
     }
 }

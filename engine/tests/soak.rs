@@ -18,14 +18,23 @@ fn rss_mb() -> f64 {
 /// engine leave no thread behind (unpatched, each dropped engine's logger thread looped forever).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_memory_and_threads_stay_bounded() {
-    let own = drafter(TINY, DrafterOptions { cache_budget_bytes: None, ..DrafterOptions::default() }).await;
-    let params = DraftParams { sampling: SamplingParams { temperature: 0.8, ..SamplingParams::default() }, seed: 1, ..DraftParams::default() };
+    let own =
+        drafter(TINY, DrafterOptions { cache_budget_bytes: None, ..DrafterOptions::default() })
+            .await;
+    let params = DraftParams {
+        sampling: SamplingParams { temperature: 0.8, ..SamplingParams::default() },
+        seed: 1,
+        ..DraftParams::default()
+    };
     let mut samples = Vec::new();
     let mut seq = Vec::new();
     let started = std::time::Instant::now();
     for round in 0..320 {
         if round % 40 == 0 {
-            seq = own.encode_chat(&[(Role::User, PROMPTS[round / 40 % PROMPTS.len()].into())]).await.unwrap();
+            seq = own
+                .encode_chat(&[(Role::User, PROMPTS[round / 40 % PROMPTS.len()].into())])
+                .await
+                .unwrap();
         }
         let drafts = own.draft(&seq, 4, &params).await.unwrap();
         seq.extend(drafts.iter().map(|d| d.token));
@@ -34,7 +43,10 @@ async fn soak_memory_and_threads_stay_bounded() {
             samples.push(rss_mb());
         }
     }
-    println!("RSS (MB) every 32 rounds: {samples:?}; {:.1}s for 320 rounds", started.elapsed().as_secs_f64());
+    println!(
+        "RSS (MB) every 32 rounds: {samples:?}; {:.1}s for 320 rounds",
+        started.elapsed().as_secs_f64()
+    );
     // Unbounded, the 160 rounds between the two halves' peaks would add ~1.8 GB; allow a quarter of
     // that for allocator and context-length noise.
     let half = samples.len() / 2;

@@ -32,7 +32,9 @@ pub struct Health {
 pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
     let draft_model = state.model().ok().map(|m| m.meta().name.clone());
     let (status, verifier_model, detail) = match state.check_verifier().await {
-        _ if draft_model.is_none() => ("loading", None, Some("the draft model is loading".to_string())),
+        _ if draft_model.is_none() => {
+            ("loading", None, Some("the draft model is loading".to_string()))
+        }
         VerifierStatus::Ready(info) => ("ready", Some(info.model), None),
         VerifierStatus::Unreachable(e) => ("verifier_unreachable", None, Some(e)),
         VerifierStatus::Mismatch(e) => ("verifier_mismatch", None, Some(e)),
@@ -47,7 +49,12 @@ pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
 ), security((), ("bearer" = [])))]
 pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
-    let card = ModelCard { id: state.settings.model_name.clone(), object: "model".into(), created: state.started, owned_by: "spade".into() };
+    let card = ModelCard {
+        id: state.settings.model_name.clone(),
+        object: "model".into(),
+        created: state.started,
+        owned_by: "spade".into(),
+    };
     Json(ModelList { object: "list".into(), data: vec![card] })
 }
 
@@ -57,5 +64,9 @@ pub async fn models(State(state): State<AppState>) -> Json<ModelList> {
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
 ), security((), ("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    spade_http::prometheus(state.metrics.render(state.draft_model.get().map(|m| m.context_rows()), &state.auto_choice()))
+    spade_http::prometheus(
+        state
+            .metrics
+            .render(state.draft_model.get().map(|m| m.context_rows()), &state.auto_choice()),
+    )
 }

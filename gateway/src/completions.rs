@@ -13,7 +13,8 @@ use crate::state::AppState;
 
 /// The one prompt of a request, if it has exactly one.
 fn single_prompt(prompt: Prompt) -> Result<Prompt, ApiError> {
-    let several = || refuse("prompt", "one prompt per request: send several requests for several prompts");
+    let several =
+        || refuse("prompt", "one prompt per request: send several requests for several prompts");
     match prompt {
         Prompt::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
         Prompt::TokenLists(mut v) if v.len() == 1 => Ok(Prompt::Tokens(v.remove(0))),
@@ -43,7 +44,10 @@ fn single_prompt(prompt: Prompt) -> Result<Prompt, ApiError> {
     ),
     security((), ("bearer" = []))
 )]
-pub async fn completions(State(state): State<AppState>, Json(req): Json<CompletionRequest>) -> Result<Response, ApiError> {
+pub async fn completions(
+    State(state): State<AppState>,
+    Json(req): Json<CompletionRequest>,
+) -> Result<Response, ApiError> {
     state.metrics.record_request();
     let prepared = async {
         if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
@@ -63,12 +67,20 @@ pub async fn completions(State(state): State<AppState>, Json(req): Json<Completi
             Prompt::Tokens(ids) => {
                 let vocab = model.meta().vocab_size;
                 if let Some(i) = ids.iter().position(|&t| t >= vocab) {
-                    return Err(ApiError::invalid("prompt", format!("prompt[{i}] is {}: outside the vocabulary of {vocab} tokens", ids[i])));
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "prompt[{i}] is {}: outside the vocabulary of {vocab} tokens",
+                            ids[i]
+                        ),
+                    ));
                 }
                 let text = if req.echo { model.decode_all(&ids)? } else { String::new() };
                 (ids, text)
             }
-            Prompt::Texts(_) | Prompt::TokenLists(_) => unreachable!("single_prompt returns one prompt"),
+            Prompt::Texts(_) | Prompt::TokenLists(_) => {
+                unreachable!("single_prompt returns one prompt")
+            }
         };
         if prompt.is_empty() {
             return Err(ApiError::invalid("prompt", "the prompt is empty"));

@@ -8,10 +8,19 @@ use spade_core::draft_control::BlockEnd;
 use spade_core::openai::DraftLen;
 use spade_http::{Command, ServerArgs};
 
-spade_http::server_profile!(GatewayFlags, "SPADE_GATEWAY", port = "8080", max_body_bytes = "4194304");
+spade_http::server_profile!(
+    GatewayFlags,
+    "SPADE_GATEWAY",
+    port = "8080",
+    max_body_bytes = "4194304"
+);
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "spade-gateway", version, about = "SPADE edge gateway: OpenAI-compatible chat completions, drafted locally, verified in the cloud")]
+#[command(
+    name = "spade-gateway",
+    version,
+    about = "SPADE edge gateway: OpenAI-compatible chat completions, drafted locally, verified in the cloud"
+)]
 pub struct Config {
     #[command(flatten)]
     pub server: ServerArgs<GatewayFlags>,
@@ -168,8 +177,12 @@ impl Config {
         if self.draft_model.is_none() {
             return Err("--draft-model (or SPADE_GATEWAY_DRAFT_MODEL) is required: a GGUF file or owner/repo:file.gguf".into());
         }
-        if !(self.verifier_url.starts_with("http://") || self.verifier_url.starts_with("https://")) {
-            return Err(format!("--verifier-url {:?} must start with http:// or https://", self.verifier_url));
+        if !(self.verifier_url.starts_with("http://") || self.verifier_url.starts_with("https://"))
+        {
+            return Err(format!(
+                "--verifier-url {:?} must start with http:// or https://",
+                self.verifier_url
+            ));
         }
         let positive = |x: f64| x.is_finite() && x > 0.0;
         if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
@@ -181,7 +194,10 @@ impl Config {
         if let Some(n) = self.draft_len.fixed().filter(|&n| n as usize > self.max_draft_len) {
             return Err(format!("--draft-len {n} is above --max-draft-len {}", self.max_draft_len));
         }
-        if self.max_concurrent == 0 || self.keep_alive_secs == 0 || self.max_completion_tokens == Some(0) {
+        if self.max_concurrent == 0
+            || self.keep_alive_secs == 0
+            || self.max_completion_tokens == Some(0)
+        {
             return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
         }
         spade_http::cors::layer(&self.cors_allow_origin)?;

@@ -41,13 +41,24 @@ impl ApiError {
 
     fn response(&self) -> ErrorResponse {
         // The OpenAI SDKs retry 5xx on their own; where that would only repeat a paid failure, say no.
-        let no_retry = |r: ErrorResponse| r.with_header(HeaderName::from_static("x-should-retry"), HeaderValue::from_static("false"));
+        let no_retry = |r: ErrorResponse| {
+            r.with_header(
+                HeaderName::from_static("x-should-retry"),
+                HeaderValue::from_static("false"),
+            )
+        };
         let message = self.to_string();
         match self {
             Self::Request(e) => e.response(),
-            Self::VerifierUnavailable(_) => no_retry(ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("verifier_unavailable")),
-            Self::VerifierFailed(_) => no_retry(ErrorResponse::server(StatusCode::BAD_GATEWAY, message).with_code("verifier_error")),
-            Self::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("not_ready"),
+            Self::VerifierUnavailable(_) => no_retry(
+                ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message)
+                    .with_code("verifier_unavailable"),
+            ),
+            Self::VerifierFailed(_) => no_retry(
+                ErrorResponse::server(StatusCode::BAD_GATEWAY, message).with_code("verifier_error"),
+            ),
+            Self::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message)
+                .with_code("not_ready"),
             Self::Internal(_) => ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message),
         }
     }
@@ -56,7 +67,9 @@ impl ApiError {
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::InvalidRequest(_) | EngineError::Sampling(_) => RequestError::Invalid { message: e.to_string(), param: None, code: None }.into(),
+            EngineError::InvalidRequest(_) | EngineError::Sampling(_) => {
+                RequestError::Invalid { message: e.to_string(), param: None, code: None }.into()
+            }
             other => Self::Internal(other.to_string()),
         }
     }

@@ -15,7 +15,10 @@ use spade_core::protocol::TokenLogprob;
 use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
 use spade_core::{IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
 use spade_engine::round::TargetRule;
-use spade_engine::speculative::{self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure, WhenUnreachable};
+use spade_engine::speculative::{
+    self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure,
+    WhenUnreachable,
+};
 use spade_engine::{DraftParams, EdgeModel, EngineError, SharedGrammar};
 use tokio::sync::mpsc;
 
@@ -115,7 +118,12 @@ pub async fn run(state: AppState, job: Job, events: mpsc::Sender<Event>) {
     }
 }
 
-async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, started: Instant) -> Result<(FinishReason, GenerationRecord), ApiError> {
+async fn generate(
+    state: &AppState,
+    job: &Job,
+    events: mpsc::Sender<Event>,
+    started: Instant,
+) -> Result<(FinishReason, GenerationRecord), ApiError> {
     let model = state.model()?.clone();
     // Seeded sampling should reproduce: start it on a fresh draft cache (see Drafter).
     model.begin_generation(job.reproducible).await;
@@ -127,7 +135,10 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
         draft: DraftParams {
             sampling: job.sampling.for_draft(state.settings.draft_top_k),
             penalties: job.penalties.clone(),
-            grammar: job.grammar.as_ref().map(|g| SharedGrammar::new(g.compiled.start_at(g.wire.start as usize))),
+            grammar: job
+                .grammar
+                .as_ref()
+                .map(|g| SharedGrammar::new(g.compiled.start_at(g.wire.start as usize))),
             seed: job.seed,
         },
         stop_token_ids: model.meta().stop_token_ids.clone(),
@@ -139,13 +150,27 @@ async fn generate(state: &AppState, job: &Job, events: mpsc::Sender<Event>, star
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
     let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
-    let mut remote = RemoteSession::new(state.clone(), rule, grammar, job.seed, job.top_logprobs, job.binary, job.affinity.clone());
-    let mut output = Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
-    let end = speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output).await.map_err(|e| match e {
-        LoopError::Engine(e) => ApiError::from(e),
-        LoopError::Verifier(VerifyFailure::Unreachable(e)) => ApiError::VerifierUnavailable(e),
-        LoopError::Verifier(VerifyFailure::Rejected(e)) => ApiError::VerifierFailed(e),
-    })?;
+    let mut remote = RemoteSession::new(
+        state.clone(),
+        rule,
+        grammar,
+        job.seed,
+        job.top_logprobs,
+        job.binary,
+        job.affinity.clone(),
+    );
+    let mut output =
+        Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
+    let end =
+        speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output)
+            .await
+            .map_err(|e| match e {
+                LoopError::Engine(e) => ApiError::from(e),
+                LoopError::Verifier(VerifyFailure::Unreachable(e)) => {
+                    ApiError::VerifierUnavailable(e)
+                }
+                LoopError::Verifier(VerifyFailure::Rejected(e)) => ApiError::VerifierFailed(e),
+            })?;
     let finish = match end.finish {
         // The sink stops at a stop sequence, or after the one call `parallel_tool_calls: false` allows.
         Finish::Sink if output.calls > 0 => FinishReason::ToolCalls,
@@ -209,11 +234,28 @@ struct Output {
 }
 
 impl Output {
-    fn new(model: Arc<dyn EdgeModel>, stops: &[String], tools: Option<ToolCalls>, events: mpsc::Sender<Event>, started: Instant) -> Self {
+    fn new(
+        model: Arc<dyn EdgeModel>,
+        stops: &[String],
+        tools: Option<ToolCalls>,
+        events: mpsc::Sender<Event>,
+        started: Instant,
+    ) -> Self {
         let stops = StopMatcher::new(stops.to_vec());
         let single_call = tools.as_ref().is_some_and(|t| !t.parallel);
         let parser = tools.map(|t| ToolCallParser::new(t.names));
-        Self { model, decoder: IncrementalDecoder::new(), stops, parser, single_call, calls: 0, pending_logprobs: Vec::new(), events, started, ttft: None }
+        Self {
+            model,
+            decoder: IncrementalDecoder::new(),
+            stops,
+            parser,
+            single_call,
+            calls: 0,
+            pending_logprobs: Vec::new(),
+            events,
+            started,
+            ttft: None,
+        }
     }
 
     /// Flushes held-back text and ends (with `stop` after all if that text completes a stop sequence).
@@ -248,14 +290,20 @@ impl Output {
         for output in outputs {
             let event = match output {
                 ToolOutput::Text(text) if text.is_empty() => continue,
-                ToolOutput::Text(text) => Event::Text { text, logprobs: std::mem::take(&mut self.pending_logprobs) },
+                ToolOutput::Text(text) => {
+                    Event::Text { text, logprobs: std::mem::take(&mut self.pending_logprobs) }
+                }
                 ToolOutput::Call { name, arguments } => {
                     if self.calls > 0 && self.single_call {
                         continue;
                     }
                     self.calls += 1;
                     let id = format!("call_{:024x}", rand::rng().random::<u128>() >> 32);
-                    Event::ToolCall(ToolCall { id, kind: "function".into(), function: FunctionCall { name, arguments } })
+                    Event::ToolCall(ToolCall {
+                        id,
+                        kind: "function".into(),
+                        function: FunctionCall { name, arguments },
+                    })
                 }
             };
             self.ttft.get_or_insert_with(|| self.started.elapsed());
@@ -271,15 +319,26 @@ impl Output {
         let top = lp
             .top
             .iter()
-            .map(|&(t, logprob)| Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob }))
+            .map(|&(t, logprob)| {
+                Ok(TopLogprob { bytes: Some(piece(t)?.into_bytes()), token: piece(t)?, logprob })
+            })
             .collect::<Result<_, EngineError>>()?;
-        Ok(TokenLogprobContent { bytes: Some(token.clone().into_bytes()), token, logprob: lp.logprob, top_logprobs: top })
+        Ok(TokenLogprobContent {
+            bytes: Some(token.clone().into_bytes()),
+            token,
+            logprob: lp.logprob,
+            top_logprobs: top,
+        })
     }
 }
 
 #[async_trait::async_trait]
 impl TokenSink for Output {
-    async fn commit(&mut self, token: u32, logprob: Option<&TokenLogprob>) -> Result<Flow, EngineError> {
+    async fn commit(
+        &mut self,
+        token: u32,
+        logprob: Option<&TokenLogprob>,
+    ) -> Result<Flow, EngineError> {
         // A stop token ends the generation without text of its own (the loop stops after it).
         if self.model.meta().stop_token_ids.contains(&token) {
             return Ok(Flow::Continue);

@@ -13,7 +13,9 @@ use utoipa::OpenApi;
 #[tokio::main]
 async fn main() -> ExitCode {
     let config = Config::parse();
-    if let ControlFlow::Break(code) = spade_http::start(&config.server, config.command.as_ref(), ApiDoc::openapi, config.check()) {
+    if let ControlFlow::Break(code) =
+        spade_http::start(&config.server, config.command.as_ref(), ApiDoc::openapi, config.check())
+    {
         return code;
     }
     for warning in config.warnings() {
@@ -33,15 +35,23 @@ async fn main() -> ExitCode {
 
 async fn load(config: Config, state: Arc<Gateway>) -> Result<(), String> {
     let model = config.draft_model.clone().unwrap_or_default();
-    let options =
-        DrafterOptions { max_concurrent: config.max_concurrent, cache_budget_bytes: (config.draft_cache_mb > 0).then_some(config.draft_cache_mb << 20) };
+    let options = DrafterOptions {
+        max_concurrent: config.max_concurrent,
+        cache_budget_bytes: (config.draft_cache_mb > 0).then_some(config.draft_cache_mb << 20),
+    };
     let source = ModelSource::parse(&model).map_err(|e| format!("cannot load {model}: {e}"))?;
-    let drafter = MistralDrafter::load(&source, options).await.map_err(|e| format!("cannot load {model}: {e}"))?;
+    let drafter = MistralDrafter::load(&source, options)
+        .await
+        .map_err(|e| format!("cannot load {model}: {e}"))?;
     tracing::info!(model = %model, vocab = drafter.meta().vocab_size, "draft model loaded");
     state.draft_model.set(Arc::new(drafter));
     match state.check_verifier().await {
-        VerifierStatus::Ready(info) => tracing::info!(verifier_model = %info.model, "verifier matches; ready"),
-        VerifierStatus::Unreachable(e) => tracing::warn!("verifier not reachable yet ({e}); /health says not ready until it is"),
+        VerifierStatus::Ready(info) => {
+            tracing::info!(verifier_model = %info.model, "verifier matches; ready")
+        }
+        VerifierStatus::Unreachable(e) => {
+            tracing::warn!("verifier not reachable yet ({e}); /health says not ready until it is")
+        }
         VerifierStatus::Mismatch(e) => tracing::error!("{e}"),
     }
     Ok(())

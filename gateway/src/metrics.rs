@@ -136,66 +136,193 @@ impl Metrics {
         let draft = draft.unwrap_or_default();
         let mut out = String::new();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let mut counter = |name: &str, help: &str, v: u64| render_scalar(&mut out, "counter", name, help, v);
-        counter("spade_gateway_requests_total", "Chat completion requests received.", load(&self.requests));
-        counter("spade_gateway_request_failures_total", "Requests that ended in an error (before or during the stream).", load(&self.failures));
-        counter("spade_gateway_degraded_total", "Generations finished by the draft model alone (verifier unreachable).", load(&self.degraded));
-        counter("spade_gateway_completion_tokens_total", "Tokens generated.", load(&self.completion_tokens));
-        counter("spade_gateway_verify_calls_total", "Verify calls made (target forward passes paid for).", load(&self.verify_calls));
+        let mut counter =
+            |name: &str, help: &str, v: u64| render_scalar(&mut out, "counter", name, help, v);
+        counter(
+            "spade_gateway_requests_total",
+            "Chat completion requests received.",
+            load(&self.requests),
+        );
+        counter(
+            "spade_gateway_request_failures_total",
+            "Requests that ended in an error (before or during the stream).",
+            load(&self.failures),
+        );
+        counter(
+            "spade_gateway_degraded_total",
+            "Generations finished by the draft model alone (verifier unreachable).",
+            load(&self.degraded),
+        );
+        counter(
+            "spade_gateway_completion_tokens_total",
+            "Tokens generated.",
+            load(&self.completion_tokens),
+        );
+        counter(
+            "spade_gateway_verify_calls_total",
+            "Verify calls made (target forward passes paid for).",
+            load(&self.verify_calls),
+        );
         // Target-only decoding pays one call per token: every token beyond one per call is a call saved.
         let saved = load(&self.completion_tokens).saturating_sub(load(&self.verify_calls));
-        counter("spade_gateway_verify_calls_saved_total", "Target forward passes saved versus target-only decoding.", saved);
-        counter("spade_gateway_spec_decode_num_draft_tokens_total", "Draft tokens sent for verification.", load(&self.drafted));
-        counter("spade_gateway_spec_decode_num_accepted_tokens_total", "Draft tokens the target accepted.", load(&self.accepted));
-        counter("spade_gateway_bytes_sent_total", "Bytes of /verify requests.", load(&self.bytes_sent));
-        counter("spade_gateway_bytes_received_total", "Bytes of /verify answers.", load(&self.bytes_received));
+        counter(
+            "spade_gateway_verify_calls_saved_total",
+            "Target forward passes saved versus target-only decoding.",
+            saved,
+        );
+        counter(
+            "spade_gateway_spec_decode_num_draft_tokens_total",
+            "Draft tokens sent for verification.",
+            load(&self.drafted),
+        );
+        counter(
+            "spade_gateway_spec_decode_num_accepted_tokens_total",
+            "Draft tokens the target accepted.",
+            load(&self.accepted),
+        );
+        counter(
+            "spade_gateway_bytes_sent_total",
+            "Bytes of /verify requests.",
+            load(&self.bytes_sent),
+        );
+        counter(
+            "spade_gateway_bytes_received_total",
+            "Bytes of /verify answers.",
+            load(&self.bytes_received),
+        );
         counter(
             "spade_gateway_prompt_tokens_cached_total",
             "Prompt tokens the verifier did not recompute (its prefix cache held them).",
             load(&self.prompt_cached),
         );
-        counter("spade_gateway_prompt_tokens_computed_total", "Prompt tokens the verifier computed.", load(&self.prompt_computed));
-        counter("spade_gateway_draft_context_tokens_cached_total", "Context positions the draft model's rounds took from its prefix cache.", draft.cached);
+        counter(
+            "spade_gateway_prompt_tokens_computed_total",
+            "Prompt tokens the verifier computed.",
+            load(&self.prompt_computed),
+        );
+        counter(
+            "spade_gateway_draft_context_tokens_cached_total",
+            "Context positions the draft model's rounds took from its prefix cache.",
+            draft.cached,
+        );
         counter(
             "spade_gateway_draft_context_tokens_computed_total",
             "Context positions the draft model's rounds computed (its prefill of what is new).",
             draft.computed,
         );
-        counter("spade_gateway_draft_ahead_rounds_total", "Rounds that drafted ahead while a block was verified.", load(&self.ahead_drafted));
-        counter("spade_gateway_draft_ahead_used_total", "Drafted-ahead blocks sent (the verifier confirmed their prefix).", load(&self.ahead_used));
+        counter(
+            "spade_gateway_draft_ahead_rounds_total",
+            "Rounds that drafted ahead while a block was verified.",
+            load(&self.ahead_drafted),
+        );
+        counter(
+            "spade_gateway_draft_ahead_used_total",
+            "Drafted-ahead blocks sent (the verifier confirmed their prefix).",
+            load(&self.ahead_used),
+        );
         let timing = self.timing.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        let mut seconds = |name: &str, help: &str, v: f64| render_scalar(&mut out, "counter", name, help, v);
-        seconds("spade_gateway_draft_seconds_total", "Drafting that generations waited for.", timing.draft_s);
-        seconds("spade_gateway_draft_overlap_seconds_total", "Drafting hidden under verify calls (draft-ahead).", timing.overlap_s);
-        seconds("spade_gateway_link_seconds_total", "Verify calls minus the verifier's reported time: the link, both ways.", timing.link_s);
-        seconds("spade_gateway_verifier_seconds_total", "The verifier's reported time (queue and forward passes).", timing.verifier_s);
-        let mut gauge = |name: &str, help: &str, v: f64| render_scalar(&mut out, "gauge", name, help, v);
-        gauge("spade_gateway_auto_draft_len", "Draft length `auto` would choose now for a block drafted after a call.", auto.draft as f64);
+        let mut seconds =
+            |name: &str, help: &str, v: f64| render_scalar(&mut out, "counter", name, help, v);
+        seconds(
+            "spade_gateway_draft_seconds_total",
+            "Drafting that generations waited for.",
+            timing.draft_s,
+        );
+        seconds(
+            "spade_gateway_draft_overlap_seconds_total",
+            "Drafting hidden under verify calls (draft-ahead).",
+            timing.overlap_s,
+        );
+        seconds(
+            "spade_gateway_link_seconds_total",
+            "Verify calls minus the verifier's reported time: the link, both ways.",
+            timing.link_s,
+        );
+        seconds(
+            "spade_gateway_verifier_seconds_total",
+            "The verifier's reported time (queue and forward passes).",
+            timing.verifier_s,
+        );
+        let mut gauge =
+            |name: &str, help: &str, v: f64| render_scalar(&mut out, "gauge", name, help, v);
+        gauge(
+            "spade_gateway_auto_draft_len",
+            "Draft length `auto` would choose now for a block drafted after a call.",
+            auto.draft as f64,
+        );
         gauge(
             "spade_gateway_auto_draft_ahead_len",
             "Draft length `auto` would choose now for a block drafted ahead during a call (0: none).",
             auto.draft_ahead as f64,
         );
-        gauge("spade_gateway_auto_expected_tokens_per_second", "Its expected committed tokens per second.", auto.tokens_per_s);
-        gauge("spade_gateway_auto_link_rtt_seconds", "Estimated link round trip (call latency minus verifier time).", auto.rtt_s);
-        gauge("spade_gateway_auto_draft_step_seconds", "Estimated draft model time per token.", auto.t_draft_s);
-        gauge("spade_gateway_auto_verify_base_seconds", "Estimated verifier time per call, fixed part (a in a + b * rows).", auto.verify_a_s);
-        gauge("spade_gateway_auto_verify_row_seconds", "Estimated verifier time per scored row (b).", auto.verify_b_s);
+        gauge(
+            "spade_gateway_auto_expected_tokens_per_second",
+            "Its expected committed tokens per second.",
+            auto.tokens_per_s,
+        );
+        gauge(
+            "spade_gateway_auto_link_rtt_seconds",
+            "Estimated link round trip (call latency minus verifier time).",
+            auto.rtt_s,
+        );
+        gauge(
+            "spade_gateway_auto_draft_step_seconds",
+            "Estimated draft model time per token.",
+            auto.t_draft_s,
+        );
+        gauge(
+            "spade_gateway_auto_verify_base_seconds",
+            "Estimated verifier time per call, fixed part (a in a + b * rows).",
+            auto.verify_a_s,
+        );
+        gauge(
+            "spade_gateway_auto_verify_row_seconds",
+            "Estimated verifier time per scored row (b).",
+            auto.verify_b_s,
+        );
         gauge("spade_gateway_auto_acceptance", "Estimated acceptance of a draft given all before it were accepted, over every position.", auto.acceptance);
         gauge(
             "spade_gateway_auto_first_acceptance",
             "Acceptance of the first draft position as the length is chosen with (leaning on the pooled one, read optimistically).",
             auto.alpha.first().copied().unwrap_or(0.0),
         );
-        gauge("spade_gateway_auto_ahead_match", "Estimated probability that the drafted-ahead guess matches the verifier's token.", auto.beta);
+        gauge(
+            "spade_gateway_auto_ahead_match",
+            "Estimated probability that the drafted-ahead guess matches the verifier's token.",
+            auto.beta,
+        );
         let drafted = load(&self.drafted);
         let rate = if drafted == 0 { 0.0 } else { load(&self.accepted) as f64 / drafted as f64 };
-        render_scalar(&mut out, "gauge", "spade_gateway_acceptance_rate", "Accepted over drafted tokens since start.", rate);
-        render_scalar(&mut out, "gauge", "spade_gateway_ready", "1 when the draft model is loaded.", u8::from(ready));
+        render_scalar(
+            &mut out,
+            "gauge",
+            "spade_gateway_acceptance_rate",
+            "Accepted over drafted tokens since start.",
+            rate,
+        );
+        render_scalar(
+            &mut out,
+            "gauge",
+            "spade_gateway_ready",
+            "1 when the draft model is loaded.",
+            u8::from(ready),
+        );
         let lock = |h: &Mutex<Histogram>| h.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        lock(&self.ttft).render(&mut out, "spade_gateway_time_to_first_token_seconds", "Time from request to the first streamed text.");
-        lock(&self.tokens_per_second).render(&mut out, "spade_gateway_tokens_per_second", "Generated tokens per second of each request.");
-        lock(&self.verify_latency).render(&mut out, "spade_gateway_verify_latency_seconds", "Round trip of each successful verify call.");
+        lock(&self.ttft).render(
+            &mut out,
+            "spade_gateway_time_to_first_token_seconds",
+            "Time from request to the first streamed text.",
+        );
+        lock(&self.tokens_per_second).render(
+            &mut out,
+            "spade_gateway_tokens_per_second",
+            "Generated tokens per second of each request.",
+        );
+        lock(&self.verify_latency).render(
+            &mut out,
+            "spade_gateway_verify_latency_seconds",
+            "Round trip of each successful verify call.",
+        );
         out
     }
 }

@@ -1,6 +1,9 @@
 //! The OpenAPI document, generated from the handlers' annotations; spade-http adds the shared parts.
 
-use spade_core::openai::{ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, ModelList, SpadeUsage, TextCompletion, Usage};
+use spade_core::openai::{
+    ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, ModelList,
+    SpadeUsage, TextCompletion, Usage,
+};
 use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use utoipa::OpenApi;
 

@@ -83,7 +83,12 @@ pub struct OutputGrammar {
 }
 
 pub(crate) fn refuse(param: &str, message: &str) -> ApiError {
-    RequestError::Invalid { message: message.to_string(), param: Some(param.to_string()), code: Some("unsupported_parameter") }.into()
+    RequestError::Invalid {
+        message: message.to_string(),
+        param: Some(param.to_string()),
+        code: Some("unsupported_parameter"),
+    }
+    .into()
 }
 
 fn invalid_sampling(e: SamplingError) -> ApiError {
@@ -91,10 +96,17 @@ fn invalid_sampling(e: SamplingError) -> ApiError {
 }
 
 /// `max_tokens` is `(field name, value)`: the API's own field wins over the shared `max_tokens`.
-pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, top_logprobs: Option<u8>) -> Result<Decoding, ApiError> {
+pub fn decoding(
+    g: GenerationFields,
+    max_tokens: Option<(&'static str, i64)>,
+    top_logprobs: Option<u8>,
+) -> Result<Decoding, ApiError> {
     let n = g.n.unwrap_or(1);
     if !(1..=MAX_CHOICES).contains(&n) {
-        return Err(ApiError::invalid("n", format!("n must be between 1 and {MAX_CHOICES} (got {n})")));
+        return Err(ApiError::invalid(
+            "n",
+            format!("n must be between 1 and {MAX_CHOICES} (got {n})"),
+        ));
     }
     let penalties = Penalties {
         presence_penalty: g.presence_penalty.unwrap_or(0.0),
@@ -112,7 +124,9 @@ pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, to
         (None, m) => ("max_tokens", m),
     };
     let max_tokens = match max {
-        Some(m) if m < 1 => return Err(ApiError::invalid(name, format!("{name} must be at least 1 (got {m})"))),
+        Some(m) if m < 1 => {
+            return Err(ApiError::invalid(name, format!("{name} must be at least 1 (got {m})")))
+        }
         Some(m) => Some(usize::try_from(m).unwrap_or(usize::MAX)),
         None => None,
     };
@@ -125,7 +139,10 @@ pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, to
         return Err(ApiError::invalid("stop", format!("at most {MAX_STOPS} stop sequences")));
     }
     if !g.stream && g.stream_options.is_some() {
-        return Err(ApiError::invalid("stream_options", "stream_options is only allowed when stream is true"));
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
     }
     Ok(Decoding {
         sampling,
@@ -146,7 +163,10 @@ pub fn decoding(g: GenerationFields, max_tokens: Option<(&'static str, i64)>, to
 /// `n` alternatives per token, checked against the limit; `param` names the field.
 pub fn top_logprobs(n: Option<u8>, param: &str) -> Result<Option<u8>, ApiError> {
     match n {
-        Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(param, format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}"))),
+        Some(n) if n > MAX_TOP_LOGPROBS => Err(ApiError::invalid(
+            param,
+            format!("{param} must be between 0 and {MAX_TOP_LOGPROBS}"),
+        )),
         n => Ok(n),
     }
 }
@@ -156,11 +176,17 @@ fn logit_bias(value: Option<&Value>) -> Result<BTreeMap<u32, f32>, ApiError> {
     let Some(object) = value.filter(|v| !v.is_null()) else {
         return Ok(BTreeMap::new());
     };
-    let object = object.as_object().ok_or_else(|| ApiError::invalid("logit_bias", "logit_bias must be an object mapping token ids to biases"))?;
+    let object = object.as_object().ok_or_else(|| {
+        ApiError::invalid("logit_bias", "logit_bias must be an object mapping token ids to biases")
+    })?;
     let mut bias = BTreeMap::new();
     for (key, value) in object {
-        let token = key.parse::<u32>().map_err(|_| ApiError::invalid("logit_bias", format!("logit_bias key {key:?} is not a token id")))?;
-        let value = value.as_f64().ok_or_else(|| ApiError::invalid("logit_bias", format!("logit_bias[{key:?}] must be a number")))?;
+        let token = key.parse::<u32>().map_err(|_| {
+            ApiError::invalid("logit_bias", format!("logit_bias key {key:?} is not a token id"))
+        })?;
+        let value = value.as_f64().ok_or_else(|| {
+            ApiError::invalid("logit_bias", format!("logit_bias[{key:?}] must be a number"))
+        })?;
         bias.insert(token, value as f32);
     }
     Ok(bias)
@@ -181,7 +207,12 @@ fn penalty_param(p: &Penalties) -> &'static str {
 
 /// Sizes the generation of `prompt` against the context window, the verifier's limits and features.
 /// `prompt_param` names the request field a too-long prompt came from.
-pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param: &str) -> Result<Job, ApiError> {
+pub async fn job(
+    state: &AppState,
+    d: &Decoding,
+    prompt: Vec<u32>,
+    prompt_param: &str,
+) -> Result<Job, ApiError> {
     let model = state.model()?.clone();
     // Padding ids are no tokens (and may lie past the verifier's rows).
     d.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
@@ -193,14 +224,24 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
                     "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it";
                 return Err(refuse(penalty_param(&d.penalties), message));
             }
-            if let Some(grammar) = d.grammar.as_ref().filter(|_| !info.features.iter().any(|f| f == FEATURE_GRAMMAR)) {
+            if let Some(grammar) =
+                d.grammar.as_ref().filter(|_| !info.features.iter().any(|f| f == FEATURE_GRAMMAR))
+            {
                 let message = "constrained output needs a verifier that applies grammars (feature \"grammar\" in its /v1/info); this one does not: upgrade it";
                 return Err(refuse(grammar.param, message));
             }
-            let binary = state.settings.verify_wire == VerifyWire::Binary && info.features.iter().any(|f| f == FEATURE_BINARY);
-            (info.max_context.min(model.meta().max_context) as usize, max_draft_len.min(info.max_draft as usize), true, binary)
+            let binary = state.settings.verify_wire == VerifyWire::Binary
+                && info.features.iter().any(|f| f == FEATURE_BINARY);
+            (
+                info.max_context.min(model.meta().max_context) as usize,
+                max_draft_len.min(info.max_draft as usize),
+                true,
+                binary,
+            )
         }
-        Err(ApiError::VerifierUnavailable(e)) if state.settings.fallback == OfflineFallback::Draft => {
+        Err(ApiError::VerifierUnavailable(e))
+            if state.settings.fallback == OfflineFallback::Draft =>
+        {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
             (model.meta().max_context as usize, max_draft_len, false, false)
         }
@@ -209,30 +250,50 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
     let reproducible = d.seed.is_some() && !d.sampling.is_greedy();
     let draft_len = match d.draft_len.unwrap_or(state.settings.draft_len).fixed() {
         Some(n) if n as usize > max_draft && d.draft_len.is_some() => {
-            return Err(ApiError::invalid("spade.draft_len", format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")")));
+            return Err(ApiError::invalid(
+                "spade.draft_len",
+                format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")"),
+            ));
         }
         Some(n) => DraftLength::Fixed(n as usize),
         // Which tokens a sampled generation commits depends on what was drafted, and `auto` chooses
         // from measured times: a seeded request drafts a fixed length so that it reproduces.
         None if reproducible => DraftLength::Fixed(SEEDED_DRAFT_LEN.min(max_draft)),
-        None => DraftLength::Auto { max: max_draft, seed: state.draft_estimates.clone(), block_end: state.settings.draft_block_end },
+        None => DraftLength::Auto {
+            max: max_draft,
+            seed: state.draft_estimates.clone(),
+            block_end: state.settings.draft_block_end,
+        },
     };
-    let too_long = |message: String| ApiError::from(RequestError::Invalid { message, param: Some(prompt_param.into()), code: Some("context_length_exceeded") });
+    let too_long = |message: String| {
+        ApiError::from(RequestError::Invalid {
+            message,
+            param: Some(prompt_param.into()),
+            code: Some("context_length_exceeded"),
+        })
+    };
     if prompt.len() >= max_context {
-        return Err(too_long(format!("the prompt is {} tokens; the model's context is {max_context}", prompt.len())));
+        return Err(too_long(format!(
+            "the prompt is {} tokens; the model's context is {max_context}",
+            prompt.len()
+        )));
     }
     let room = max_context - prompt.len();
     let cap = state.settings.max_completion_tokens;
     if let (Some(m), Some(cap)) = (d.max_tokens, cap) {
         if m > cap {
             let param = d.max_tokens_param;
-            return Err(ApiError::invalid(param, format!("{param} is {m}; this gateway allows at most {cap}")));
+            return Err(ApiError::invalid(
+                param,
+                format!("{param} is {m}; this gateway allows at most {cap}"),
+            ));
         }
     }
     if let Some(m) = d.max_tokens.filter(|&m| m > room) {
         return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
     }
-    let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() }).filter(|p| !p.is_noop());
+    let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() })
+        .filter(|p| !p.is_noop());
     let grammar = match &d.grammar {
         Some(g) => Some(constraint(model, g, prompt.len()).await?),
         None => None,
@@ -257,19 +318,31 @@ pub async fn job(state: &AppState, d: &Decoding, prompt: Vec<u32>, prompt_param:
 
 /// Compiles the output's grammar against the draft model's vocabulary (the verifier compiles the
 /// same document against the identical target vocabulary): a bad schema is a 400 naming its field.
-async fn constraint(model: Arc<dyn EdgeModel>, grammar: &OutputGrammar, start: usize) -> Result<Constraint, ApiError> {
+async fn constraint(
+    model: Arc<dyn EdgeModel>,
+    grammar: &OutputGrammar,
+    start: usize,
+) -> Result<Constraint, ApiError> {
     let wire = GrammarConstraint { grammar: grammar.document.clone(), start: start as u32 };
     let document = wire.grammar.clone();
     // The first use builds the vocabulary's token trie: blocking work.
-    let compiled = tokio::task::spawn_blocking(move || -> Result<Grammar, EngineError> { Ok(model.vocabulary()?.compile(&document)?) })
-        .await
-        .map_err(|e| ApiError::Internal(format!("compiling the grammar: {e}")))?;
+    let compiled = tokio::task::spawn_blocking(move || -> Result<Grammar, EngineError> {
+        Ok(model.vocabulary()?.compile(&document)?)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("compiling the grammar: {e}")))?;
     match compiled {
         Ok(compiled) => Ok(Constraint { wire, compiled }),
-        Err(EngineError::Grammar(e)) => {
-            Err(RequestError::Invalid { message: e.to_string(), param: Some(grammar.param.to_string()), code: Some("invalid_grammar") }.into())
+        Err(EngineError::Grammar(e)) => Err(RequestError::Invalid {
+            message: e.to_string(),
+            param: Some(grammar.param.to_string()),
+            code: Some("invalid_grammar"),
         }
-        Err(e) => Err(refuse(grammar.param, &format!("constrained output is not available with this draft model: {e}"))),
+        .into()),
+        Err(e) => Err(refuse(
+            grammar.param,
+            &format!("constrained output is not available with this draft model: {e}"),
+        )),
     }
 }
 
@@ -277,13 +350,28 @@ async fn constraint(model: Arc<dyn EdgeModel>, grammar: &OutputGrammar, start: u
 /// one JSON object, or SSE when `d.stream`. The choices run at the same time, except for a seeded
 /// sampled request: its choices run one after another, each from a fresh draft cache, so that it
 /// reproduces (see `Drafter::begin_generation`).
-pub async fn answer(state: &AppState, d: &Decoding, job: Job, shape: Shape) -> Result<Response, ApiError> {
-    let meta = respond::Meta::new(&state.settings.model_name, job.prompt.len(), d.top_logprobs.is_some(), shape, d.n as usize);
+pub async fn answer(
+    state: &AppState,
+    d: &Decoding,
+    job: Job,
+    shape: Shape,
+) -> Result<Response, ApiError> {
+    let meta = respond::Meta::new(
+        &state.settings.model_name,
+        job.prompt.len(),
+        d.top_logprobs.is_some(),
+        shape,
+        d.n as usize,
+    );
     let one_by_one = job.reproducible && d.n > 1;
     let (mut runs, mut receivers) = (Vec::new(), Vec::new());
     for index in 0..d.n {
         let (tx, rx) = mpsc::channel(64);
-        runs.push(generation::run(state.clone(), Job { seed: choice_seed(job.seed, index), ..job.clone() }, tx));
+        runs.push(generation::run(
+            state.clone(),
+            Job { seed: choice_seed(job.seed, index), ..job.clone() },
+            tx,
+        ));
         receivers.push(rx);
     }
     if one_by_one {
@@ -302,7 +390,9 @@ pub async fn answer(state: &AppState, d: &Decoding, job: Job, shape: Shape) -> R
     let mut tagged = Vec::with_capacity(receivers.len());
     for (index, mut rx) in (0..).zip(receivers) {
         let first = if index == 0 || !one_by_one {
-            let first = rx.recv().await.ok_or_else(|| ApiError::Internal("the generation ended without a result".into()))?;
+            let first = rx.recv().await.ok_or_else(|| {
+                ApiError::Internal("the generation ended without a result".into())
+            })?;
             if let Event::Failed(e) = first {
                 return Err(e);
             }
@@ -310,12 +400,14 @@ pub async fn answer(state: &AppState, d: &Decoding, job: Job, shape: Shape) -> R
         } else {
             None
         };
-        let rest = futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
+        let rest =
+            futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
         tagged.push(futures::stream::iter(first).chain(rest).map(move |e| (index, e)).boxed());
     }
     let events: respond::Events = futures::stream::select_all(tagged).boxed();
     if d.stream {
-        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive).into_response())
+        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive)
+            .into_response())
     } else {
         respond::collect(meta, events).await.map(|c| Json(c).into_response())
     }

@@ -11,8 +11,9 @@ use futures::{Stream, StreamExt};
 use rand::Rng;
 use serde_json::Value;
 use spade_core::openai::{
-    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice, CompletionTokensDetails, Delta, FinishReason,
-    PromptTokensDetails, Role, SpadeTiming, SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
+    AssistantMessage, ChatCompletion, ChatCompletionChunk, Choice, ChoiceLogprobs, ChunkChoice,
+    CompletionTokensDetails, Delta, FinishReason, PromptTokensDetails, Role, SpadeTiming,
+    SpadeUsage, TextChoice, TextCompletion, TextLogprobs, TokenLogprobContent, Usage,
 };
 use spade_core::tools::{FunctionCallDelta, ToolCall, ToolCallDelta};
 
@@ -45,7 +46,13 @@ pub struct Meta {
 }
 
 impl Meta {
-    pub fn new(model: &str, prompt_tokens: usize, logprobs: bool, shape: Shape, choices: usize) -> Self {
+    pub fn new(
+        model: &str,
+        prompt_tokens: usize,
+        logprobs: bool,
+        shape: Shape,
+        choices: usize,
+    ) -> Self {
         let prefix = match shape {
             Shape::Chat => "chatcmpl",
             Shape::Text { .. } => "cmpl",
@@ -75,7 +82,10 @@ impl Meta {
             total_tokens: (self.prompt_tokens as u64 + completion) as u32,
             // The prompt is counted once: the first choice's cache hit.
             prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: first.and_then(|r| r.prompt_cached_tokens).unwrap_or(0).min(self.prompt_tokens as u64) as u32,
+                cached_tokens: first
+                    .and_then(|r| r.prompt_cached_tokens)
+                    .unwrap_or(0)
+                    .min(self.prompt_tokens as u64) as u32,
             },
             completion_tokens_details: CompletionTokensDetails {
                 accepted_prediction_tokens: accepted as u32,
@@ -83,7 +93,11 @@ impl Meta {
             },
             spade: Some(SpadeUsage {
                 verify_calls: calls as u32,
-                mean_tokens_per_call: if calls == 0 { 0.0 } else { completion as f64 / calls as f64 },
+                mean_tokens_per_call: if calls == 0 {
+                    0.0
+                } else {
+                    completion as f64 / calls as f64
+                },
                 draft_len: first.map(|r| r.draft_len).unwrap_or_default(),
                 ahead_drafted: sum(|r| r.ahead_drafted) as u32,
                 ahead_used: sum(|r| r.ahead_used) as u32,
@@ -102,7 +116,12 @@ impl Meta {
     }
 
     /// Legacy log-probabilities of choice `index`'s tokens, advancing its text offset over `text`.
-    fn text_logprobs(&mut self, index: u32, content: &[TokenLogprobContent], text: &str) -> Option<TextLogprobs> {
+    fn text_logprobs(
+        &mut self,
+        index: u32,
+        content: &[TokenLogprobContent],
+        text: &str,
+    ) -> Option<TextLogprobs> {
         let offset = &mut self.offsets[index as usize];
         let start = *offset;
         *offset += text.chars().count() as u32;
@@ -114,7 +133,8 @@ impl Meta {
         for c in content {
             out.tokens.push(c.token.clone());
             out.token_logprobs.push(c.logprob);
-            out.top_logprobs.push(c.top_logprobs.iter().map(|t| (t.token.clone(), t.logprob)).collect());
+            out.top_logprobs
+                .push(c.top_logprobs.iter().map(|t| (t.token.clone(), t.logprob)).collect());
             out.text_offset.push(at);
             at += c.token.chars().count() as u32;
         }
@@ -134,7 +154,14 @@ impl Meta {
     }
 
     fn text_chunk(&self, choices: Vec<TextChoice>, usage: Option<Usage>) -> Value {
-        let chunk = TextCompletion { id: self.id.clone(), object: "text_completion".into(), created: self.created, model: self.model.clone(), choices, usage };
+        let chunk = TextCompletion {
+            id: self.id.clone(),
+            object: "text_completion".into(),
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        };
         serde_json::to_value(chunk).unwrap_or_default()
     }
 
@@ -144,14 +171,29 @@ impl Meta {
         match self.shape.clone() {
             Shape::Chat => (0..n)
                 .map(|index| {
-                    let delta = Delta { role: Some(Role::Assistant), content: Some(String::new()), tool_calls: None };
-                    self.chat_chunk(vec![ChunkChoice { index, delta, logprobs: None, finish_reason: None }], None)
+                    let delta = Delta {
+                        role: Some(Role::Assistant),
+                        content: Some(String::new()),
+                        tool_calls: None,
+                    };
+                    self.chat_chunk(
+                        vec![ChunkChoice { index, delta, logprobs: None, finish_reason: None }],
+                        None,
+                    )
                 })
                 .collect(),
             Shape::Text { echo: Some(echo) } if !echo.is_empty() => (0..n)
                 .map(|index| {
                     self.offsets[index as usize] = echo.chars().count() as u32;
-                    self.text_chunk(vec![TextChoice { text: echo.clone(), index, logprobs: None, finish_reason: None }], None)
+                    self.text_chunk(
+                        vec![TextChoice {
+                            text: echo.clone(),
+                            index,
+                            logprobs: None,
+                            finish_reason: None,
+                        }],
+                        None,
+                    )
                 })
                 .collect(),
             Shape::Text { .. } => Vec::new(),
@@ -162,11 +204,22 @@ impl Meta {
         match self.shape {
             Shape::Chat => {
                 let logprobs = self.logprobs.then_some(ChoiceLogprobs { content: logprobs });
-                self.chat_chunk(vec![ChunkChoice { index, delta: Delta { content: Some(text), ..Delta::default() }, logprobs, finish_reason: None }], None)
+                self.chat_chunk(
+                    vec![ChunkChoice {
+                        index,
+                        delta: Delta { content: Some(text), ..Delta::default() },
+                        logprobs,
+                        finish_reason: None,
+                    }],
+                    None,
+                )
             }
             Shape::Text { .. } => {
                 let logprobs = self.text_logprobs(index, &logprobs, &text);
-                self.text_chunk(vec![TextChoice { text, index, logprobs, finish_reason: None }], None)
+                self.text_chunk(
+                    vec![TextChoice { text, index, logprobs, finish_reason: None }],
+                    None,
+                )
             }
         }
     }
@@ -174,25 +227,62 @@ impl Meta {
     /// A call as OpenAI streams one: id, type and name with empty arguments, then the arguments.
     fn tool_call(&mut self, index: u32, call: ToolCall) -> Vec<Value> {
         let position = &mut self.calls[index as usize];
-        let (at, delta) = (*position, |call: ToolCallDelta| Delta { tool_calls: Some(vec![call]), ..Delta::default() });
+        let (at, delta) = (*position, |call: ToolCallDelta| Delta {
+            tool_calls: Some(vec![call]),
+            ..Delta::default()
+        });
         *position += 1;
         let head = ToolCallDelta {
             index: at,
             id: Some(call.id),
             kind: Some(call.kind),
-            function: FunctionCallDelta { name: Some(call.function.name), arguments: Some(String::new()) },
+            function: FunctionCallDelta {
+                name: Some(call.function.name),
+                arguments: Some(String::new()),
+            },
         };
-        let arguments = ToolCallDelta { index: at, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: Some(call.function.arguments) } };
+        let arguments = ToolCallDelta {
+            index: at,
+            id: None,
+            kind: None,
+            function: FunctionCallDelta { name: None, arguments: Some(call.function.arguments) },
+        };
         [head, arguments]
             .into_iter()
-            .map(|d| self.chat_chunk(vec![ChunkChoice { index, delta: delta(d), logprobs: None, finish_reason: None }], None))
+            .map(|d| {
+                self.chat_chunk(
+                    vec![ChunkChoice {
+                        index,
+                        delta: delta(d),
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                )
+            })
             .collect()
     }
 
     fn finish(&self, index: u32, finish: FinishReason) -> Value {
         match self.shape {
-            Shape::Chat => self.chat_chunk(vec![ChunkChoice { index, delta: Delta::default(), logprobs: None, finish_reason: Some(finish) }], None),
-            Shape::Text { .. } => self.text_chunk(vec![TextChoice { text: String::new(), index, logprobs: None, finish_reason: Some(finish) }], None),
+            Shape::Chat => self.chat_chunk(
+                vec![ChunkChoice {
+                    index,
+                    delta: Delta::default(),
+                    logprobs: None,
+                    finish_reason: Some(finish),
+                }],
+                None,
+            ),
+            Shape::Text { .. } => self.text_chunk(
+                vec![TextChoice {
+                    text: String::new(),
+                    index,
+                    logprobs: None,
+                    finish_reason: Some(finish),
+                }],
+                None,
+            ),
         }
     }
 
@@ -217,7 +307,8 @@ impl Meta {
                         message: AssistantMessage {
                             role: Role::Assistant,
                             // OpenAI sends null content beside tool calls when there is no text.
-                            content: (c.calls.is_empty() || !c.content.trim().is_empty()).then_some(c.content),
+                            content: (c.calls.is_empty() || !c.content.trim().is_empty())
+                                .then_some(c.content),
                             tool_calls: (!c.calls.is_empty()).then_some(c.calls),
                         },
                         logprobs: self.logprobs.then_some(ChoiceLogprobs { content: c.logprobs }),
@@ -241,7 +332,12 @@ impl Meta {
                 for (c, index) in choices.into_iter().zip(0..) {
                     self.offsets[index as usize] = echo.chars().count() as u32;
                     let logprobs = self.text_logprobs(index, &c.logprobs, &c.content);
-                    out.push(TextChoice { text: echo.clone() + &c.content, index, logprobs, finish_reason: Some(c.finish) });
+                    out.push(TextChoice {
+                        text: echo.clone() + &c.content,
+                        index,
+                        logprobs,
+                        finish_reason: Some(c.finish),
+                    });
                 }
                 let completion = TextCompletion {
                     id: self.id.clone(),
@@ -284,7 +380,8 @@ pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> 
             Some((i, Event::ToolCall(call))) => text[i as usize].2.push(call),
             Some((i, Event::Finished { finish, record })) => {
                 let (content, logprobs, calls) = std::mem::take(&mut text[i as usize]);
-                done[i as usize] = Some(Collected { content, calls, logprobs, finish, record: *record });
+                done[i as usize] =
+                    Some(Collected { content, calls, logprobs, finish, record: *record });
             }
             Some((_, Event::Failed(e))) => return Err(e),
             None => return Err(ApiError::Internal("a generation ended without a result".into())),
@@ -294,13 +391,21 @@ pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> 
 }
 
 fn data(value: &impl serde::Serialize) -> SseEvent {
-    SseEvent::default().data(serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\":{{\"message\":\"{e}\"}}}}")))
+    SseEvent::default().data(
+        serde_json::to_string(value)
+            .unwrap_or_else(|e| format!("{{\"error\":{{\"message\":\"{e}\"}}}}")),
+    )
 }
 
 /// Streams every choice's chunks as SSE, interleaved as they come; the usage (when asked) and
 /// `[DONE]` once all have finished. Dropping the stream (client gone) drops every generation's
 /// receiver, which stops them.
-pub fn stream(mut meta: Meta, events: Events, include_usage: bool, keep_alive: Duration) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+pub fn stream(
+    mut meta: Meta,
+    events: Events,
+    include_usage: bool,
+    keep_alive: Duration,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
     let head = futures::stream::iter(meta.head().iter().map(data).collect::<Vec<_>>());
     let records: Vec<Option<GenerationRecord>> = vec![None; meta.offsets.len()];
     let body = futures::stream::unfold(Some((meta, events, records)), move |state| async move {
@@ -322,7 +427,14 @@ pub fn stream(mut meta: Meta, events: Events, include_usage: bool, keep_alive: D
                 out
             }
             Some((_, Event::Failed(e))) => return Some((vec![data(&e.body())], None)),
-            None => return Some((vec![data(&ApiError::Internal("a generation ended without a result".into()).body())], None)),
+            None => {
+                return Some((
+                    vec![data(
+                        &ApiError::Internal("a generation ended without a result".into()).body(),
+                    )],
+                    None,
+                ))
+            }
         };
         Some((out, Some((meta, events, records))))
     })

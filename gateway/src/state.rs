@@ -102,12 +102,26 @@ impl Gateway {
         }
         if let Some(model) = self.draft_model.get() {
             let draft = model.meta();
-            if let Some(why) = vocabulary_mismatch(&draft.tokenizer_fingerprint, draft.vocab_size, &info.tokenizer_fingerprint, info.vocab_size) {
-                return VerifierStatus::Mismatch(format!("the verifier's model {} cannot be drafted for by {}: {why}", info.model, draft.name));
+            if let Some(why) = vocabulary_mismatch(
+                &draft.tokenizer_fingerprint,
+                draft.vocab_size,
+                &info.tokenizer_fingerprint,
+                info.vocab_size,
+            ) {
+                return VerifierStatus::Mismatch(format!(
+                    "the verifier's model {} cannot be drafted for by {}: {why}",
+                    info.model, draft.name
+                ));
             }
             *self.verifier_info.write().unwrap_or_else(|p| p.into_inner()) = Some(info.clone());
             let pass_s: Vec<f64> = info.pass_ms.iter().map(|ms| ms / 1e3).collect();
-            if self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).seed_verifier_passes(&pass_s) > 0 {
+            if self
+                .draft_estimates
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .seed_verifier_passes(&pass_s)
+                > 0
+            {
                 // What `--draft-len auto` starts from, so its choices can be replayed from the log
                 // (core/examples/draft_control_replay.rs).
                 tracing::info!(pass_ms = ?info.pass_ms, "draft-length model seeded with the verifier's pass times");
@@ -133,7 +147,12 @@ impl Gateway {
 
     /// What a generation with an `auto` draft length would start from now.
     pub fn auto_choice(&self) -> DraftChoice {
-        let known_max = self.verifier_info.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|i| i.max_draft as usize);
+        let known_max = self
+            .verifier_info
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|i| i.max_draft as usize);
         let max = self.settings.max_draft_len.min(known_max.unwrap_or(usize::MAX));
         let estimates = self.draft_estimates.lock().unwrap_or_else(|p| p.into_inner()).clone();
         DraftController::new(max, self.settings.draft_ahead, estimates).choice()

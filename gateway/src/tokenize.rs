@@ -20,10 +20,15 @@ use crate::state::AppState;
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
     (status = 503, description = "The draft model is loading", body = ErrorBody),
 ), security((), ("bearer" = [])))]
-pub async fn tokenize(State(state): State<AppState>, Json(req): Json<TokenizeRequest>) -> Result<Json<TokenizeResponse>, ApiError> {
+pub async fn tokenize(
+    State(state): State<AppState>,
+    Json(req): Json<TokenizeRequest>,
+) -> Result<Json<TokenizeResponse>, ApiError> {
     let model = state.model()?.clone();
     let tokens = match (&req.prompt, &req.messages) {
-        (Some(prompt), None) => model.encode_text(prompt, req.add_special_tokens.unwrap_or(true)).await?,
+        (Some(prompt), None) => {
+            model.encode_text(prompt, req.add_special_tokens.unwrap_or(true)).await?
+        }
         (None, Some(messages)) => {
             if req.add_generation_prompt == Some(false) {
                 return Err(refuse("add_generation_prompt", "only add_generation_prompt: true is supported (the assistant turn is always opened)"));
@@ -31,13 +36,27 @@ pub async fn tokenize(State(state): State<AppState>, Json(req): Json<TokenizeReq
             if req.add_special_tokens == Some(true) {
                 return Err(refuse("add_special_tokens", "with messages the chat template places special tokens: add_special_tokens must be false"));
             }
-            model.encode_conversation(&chat_messages(messages)?, &tool_specs(req.tools.as_ref())?).await?
+            model
+                .encode_conversation(&chat_messages(messages)?, &tool_specs(req.tools.as_ref())?)
+                .await?
         }
-        (Some(_), Some(_)) => return Err(ApiError::invalid("messages", "give either prompt or messages, not both")),
-        (None, None) => return Err(ApiError::invalid("prompt", "give a prompt (text) or messages (chat)")),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid("messages", "give either prompt or messages, not both"))
+        }
+        (None, None) => {
+            return Err(ApiError::invalid("prompt", "give a prompt (text) or messages (chat)"))
+        }
     };
-    let token_strs = req.return_token_strs.unwrap_or(false).then(|| tokens.iter().map(|&t| model.token_piece(t).unwrap_or_default()).collect());
-    Ok(Json(TokenizeResponse { count: tokens.len(), max_model_len: model.meta().max_context, tokens, token_strs }))
+    let token_strs = req
+        .return_token_strs
+        .unwrap_or(false)
+        .then(|| tokens.iter().map(|&t| model.token_piece(t).unwrap_or_default()).collect());
+    Ok(Json(TokenizeResponse {
+        count: tokens.len(),
+        max_model_len: model.meta().max_context,
+        tokens,
+        token_strs,
+    }))
 }
 
 /// The text of token ids, special tokens included.
@@ -47,14 +66,22 @@ pub async fn tokenize(State(state): State<AppState>, Json(req): Json<TokenizeReq
     (status = 401, description = "Missing or wrong API key (when the gateway has one)", body = ErrorBody),
     (status = 503, description = "The draft model is loading", body = ErrorBody),
 ), security((), ("bearer" = [])))]
-pub async fn detokenize(State(state): State<AppState>, Json(req): Json<DetokenizeRequest>) -> Result<Json<DetokenizeResponse>, ApiError> {
+pub async fn detokenize(
+    State(state): State<AppState>,
+    Json(req): Json<DetokenizeRequest>,
+) -> Result<Json<DetokenizeResponse>, ApiError> {
     let model = state.model()?.clone();
     let vocab = model.meta().vocab_size;
     let mut ids = Vec::with_capacity(req.tokens.len());
     for (i, &t) in req.tokens.iter().enumerate() {
         match u32::try_from(t).ok().filter(|&id| id < vocab && model.token_piece(id).is_some()) {
             Some(id) => ids.push(id),
-            None => return Err(ApiError::invalid("tokens", format!("tokens[{i}] is {t}: not an id of this model's vocabulary"))),
+            None => {
+                return Err(ApiError::invalid(
+                    "tokens",
+                    format!("tokens[{i}] is {t}: not an id of this model's vocabulary"),
+                ))
+            }
         }
     }
     Ok(Json(DetokenizeResponse { prompt: model.decode_all(&ids)? }))

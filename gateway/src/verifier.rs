@@ -14,7 +14,9 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use reqwest::StatusCode;
 use spade_core::grammar::GrammarConstraint;
-use spade_core::protocol::{ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken, AFFINITY_HEADER};
+use spade_core::protocol::{
+    ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken, AFFINITY_HEADER,
+};
 use spade_core::wire::{decode_response, encode_request, BINARY_CONTENT_TYPE};
 use spade_core::DraftToken;
 use spade_engine::round::TargetRule;
@@ -84,10 +86,20 @@ impl VerifierClient {
 
     /// The verifier's model and tokenizer fingerprint (one attempt, short timeout: used by /health).
     pub async fn info(&self) -> Result<ModelInfo, CallError> {
-        let response = self.request(reqwest::Method::GET, "/v1/info").timeout(INFO_TIMEOUT).send().await.map_err(|e| CallError::Unreachable(describe(&e)))?;
+        let response = self
+            .request(reqwest::Method::GET, "/v1/info")
+            .timeout(INFO_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| CallError::Unreachable(describe(&e)))?;
         match response.status() {
-            StatusCode::OK => response.json().await.map_err(|e| CallError::Rejected(format!("unreadable /v1/info: {e}"))),
-            StatusCode::UNAUTHORIZED => Err(CallError::Rejected("the verifier refused the API key (--verifier-api-key)".into())),
+            StatusCode::OK => response
+                .json()
+                .await
+                .map_err(|e| CallError::Rejected(format!("unreadable /v1/info: {e}"))),
+            StatusCode::UNAUTHORIZED => Err(CallError::Rejected(
+                "the verifier refused the API key (--verifier-api-key)".into(),
+            )),
             s => Err(CallError::Unreachable(format!("/v1/info answered {s}"))),
         }
     }
@@ -95,7 +107,12 @@ impl VerifierClient {
     /// Ends a finished generation's session: the verifier keeps its rows as a prefix cache entry or
     /// frees them (best effort: LRU eviction is the fallback). `affinity`: the conversation's key.
     pub async fn end_session(&self, id: &str, affinity: &str) {
-        let sent = self.request(reqwest::Method::DELETE, &format!("/sessions/{id}")).header(AFFINITY_HEADER, affinity).timeout(INFO_TIMEOUT).send().await;
+        let sent = self
+            .request(reqwest::Method::DELETE, &format!("/sessions/{id}"))
+            .header(AFFINITY_HEADER, affinity)
+            .timeout(INFO_TIMEOUT)
+            .send()
+            .await;
         if let Err(e) = sent {
             tracing::debug!("ending verifier session {id}: {}", describe(&e));
         }
@@ -103,11 +120,19 @@ impl VerifierClient {
 
     /// One verify call, retried; `binary` sends and asks for the compact form of `spade_core::wire`;
     /// `affinity`: the conversation's routing key, for a load balancer in front of replicas.
-    pub async fn verify(&self, request: &VerifyRequest, binary: bool, affinity: &str) -> Result<Exchange, CallError> {
+    pub async fn verify(
+        &self,
+        request: &VerifyRequest,
+        binary: bool,
+        affinity: &str,
+    ) -> Result<Exchange, CallError> {
         let (body, content_type) = if binary {
             (encode_request(request), BINARY_CONTENT_TYPE)
         } else {
-            (serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?, "application/json")
+            (
+                serde_json::to_vec(request).map_err(|e| CallError::Rejected(e.to_string()))?,
+                "application/json",
+            )
         };
         // Waiting out 429s may take this long; each attempt has its own timeout besides.
         let patience = Instant::now() + self.busy_wait;
@@ -127,8 +152,11 @@ impl VerifierClient {
                 Err(e) => describe(&e),
                 Ok(response) => {
                     let status = response.status();
-                    let retry_after =
-                        response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()).map(Duration::from_secs);
+                    let retry_after = response
+                        .headers()
+                        .get(reqwest::header::RETRY_AFTER)
+                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                        .map(Duration::from_secs);
                     match response.bytes().await {
                         Err(e) => describe(&e),
                         Ok(bytes) if status == StatusCode::OK => {
@@ -137,10 +165,19 @@ impl VerifierClient {
                             } else {
                                 serde_json::from_slice(&bytes).map_err(|e| e.to_string())
                             };
-                            let response = response.map_err(|e| CallError::Rejected(format!("unreadable /verify answer: {e}")))?;
-                            return Ok(Exchange { response, bytes_sent: body.len() as u64, bytes_received: bytes.len() as u64, latency: started.elapsed() });
+                            let response = response.map_err(|e| {
+                                CallError::Rejected(format!("unreadable /verify answer: {e}"))
+                            })?;
+                            return Ok(Exchange {
+                                response,
+                                bytes_sent: body.len() as u64,
+                                bytes_received: bytes.len() as u64,
+                                latency: started.elapsed(),
+                            });
                         }
-                        Ok(_) if status == StatusCode::CONFLICT => return Err(CallError::ResendContext),
+                        Ok(_) if status == StatusCode::CONFLICT => {
+                            return Err(CallError::ResendContext)
+                        }
                         Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS => {
                             let after = retry_after.unwrap_or(Duration::from_secs(1));
                             let wait = after.mul_f64(1.0 + rand::rng().random_range(0.0..0.2));
@@ -151,15 +188,29 @@ impl VerifierClient {
                                     after.as_secs()
                                 )));
                             }
-                            tracing::debug!(wait_s = wait.as_secs_f64(), "verifier busy: {}", message(&bytes));
+                            tracing::debug!(
+                                wait_s = wait.as_secs_f64(),
+                                "verifier busy: {}",
+                                message(&bytes)
+                            );
                             tokio::time::sleep(wait).await;
                             continue;
                         }
-                        Ok(bytes) if status.is_server_error() => format!("/verify answered {status}: {}", message(&bytes)),
-                        Ok(bytes) if status == StatusCode::UNAUTHORIZED => {
-                            return Err(CallError::Rejected(format!("the verifier refused the API key: {}", message(&bytes))));
+                        Ok(bytes) if status.is_server_error() => {
+                            format!("/verify answered {status}: {}", message(&bytes))
                         }
-                        Ok(bytes) => return Err(CallError::Rejected(format!("/verify answered {status}: {}", message(&bytes)))),
+                        Ok(bytes) if status == StatusCode::UNAUTHORIZED => {
+                            return Err(CallError::Rejected(format!(
+                                "the verifier refused the API key: {}",
+                                message(&bytes)
+                            )));
+                        }
+                        Ok(bytes) => {
+                            return Err(CallError::Rejected(format!(
+                                "/verify answered {status}: {}",
+                                message(&bytes)
+                            )))
+                        }
                     }
                 }
             };
@@ -225,7 +276,8 @@ impl RemoteSession {
         affinity: String,
     ) -> Self {
         // 72 random bits in 12 URL-safe characters: unique enough, and short, since every call carries it.
-        const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        const ALPHABET: &[u8; 64] =
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let bits: u128 = rand::rng().random();
         let id = (0..12).map(|i| ALPHABET[(bits >> (6 * i)) as usize & 63] as char).collect();
         Self {
@@ -248,7 +300,11 @@ impl RemoteSession {
 
 #[async_trait::async_trait]
 impl BlockVerifier for RemoteSession {
-    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+    async fn verify(
+        &mut self,
+        context: &[u32],
+        drafts: &[DraftToken],
+    ) -> Result<Verified, VerifyFailure> {
         loop {
             let request = VerifyRequest {
                 session_id: Some(self.id.clone()),
@@ -262,16 +318,17 @@ impl BlockVerifier for RemoteSession {
                 top_logprobs: self.top_logprobs,
             };
             self.opened = true;
-            let exchange = match self.state.verifier.verify(&request, self.binary, &self.affinity).await {
-                Err(CallError::ResendContext) if self.synced > 0 => {
-                    tracing::info!("verifier lost the session; resending the full context");
-                    self.synced = 0;
-                    continue;
-                }
-                Err(CallError::Unreachable(e)) => return Err(VerifyFailure::Unreachable(e)),
-                Err(e) => return Err(VerifyFailure::Rejected(e.to_string())),
-                Ok(x) => x,
-            };
+            let exchange =
+                match self.state.verifier.verify(&request, self.binary, &self.affinity).await {
+                    Err(CallError::ResendContext) if self.synced > 0 => {
+                        tracing::info!("verifier lost the session; resending the full context");
+                        self.synced = 0;
+                        continue;
+                    }
+                    Err(CallError::Unreachable(e)) => return Err(VerifyFailure::Unreachable(e)),
+                    Err(e) => return Err(VerifyFailure::Rejected(e.to_string())),
+                    Ok(x) => x,
+                };
             self.state.metrics.record_verify_latency(exchange.latency);
             self.bytes_sent += exchange.bytes_sent;
             self.bytes_received += exchange.bytes_received;
@@ -281,17 +338,30 @@ impl BlockVerifier for RemoteSession {
             }
             let accepted = r.accepted as usize;
             if accepted > drafts.len() {
-                return Err(VerifyFailure::Rejected(format!("accepted {accepted} of {} drafts", drafts.len())));
+                return Err(VerifyFailure::Rejected(format!(
+                    "accepted {accepted} of {} drafts",
+                    drafts.len()
+                )));
             }
             let mut committed: Vec<u32> = drafts[..accepted].iter().map(|d| d.token).collect();
             committed.push(r.next_token);
             let expected = context.len() + committed.len();
             if r.session_len as usize != expected {
-                return Err(VerifyFailure::Rejected(format!("session length {} out of step ({expected} expected)", r.session_len)));
+                return Err(VerifyFailure::Rejected(format!(
+                    "session length {} out of step ({expected} expected)",
+                    r.session_len
+                )));
             }
             self.synced = expected;
-            let verifier_time = Duration::from_secs_f64((r.timing.queue_ms + r.timing.forward_ms).max(0.0) / 1000.0);
-            return Ok(Verified { accepted, committed, logprobs: r.logprobs.unwrap_or_default(), verifier_time: Some(verifier_time) });
+            let verifier_time = Duration::from_secs_f64(
+                (r.timing.queue_ms + r.timing.forward_ms).max(0.0) / 1000.0,
+            );
+            return Ok(Verified {
+                accepted,
+                committed,
+                logprobs: r.logprobs.unwrap_or_default(),
+                verifier_time: Some(verifier_time),
+            });
         }
     }
 }
@@ -300,7 +370,11 @@ impl Drop for RemoteSession {
     fn drop(&mut self) {
         // The verifier holds this generation's KV cache: free it now, not at LRU eviction.
         if self.opened {
-            let (state, id, affinity) = (self.state.clone(), std::mem::take(&mut self.id), std::mem::take(&mut self.affinity));
+            let (state, id, affinity) = (
+                self.state.clone(),
+                std::mem::take(&mut self.id),
+                std::mem::take(&mut self.affinity),
+            );
             tokio::spawn(async move { state.verifier.end_session(&id, &affinity).await });
         }
     }

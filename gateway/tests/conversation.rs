@@ -14,7 +14,8 @@ use real::*;
 use serde_json::{json, Value};
 use spade_test_support::process::free_port;
 
-const SYSTEM: &str = "You are a careful coding assistant. Answer briefly, with code where it helps, \
+const SYSTEM: &str =
+    "You are a careful coding assistant. Answer briefly, with code where it helps, \
     and explain what each change does and why. Prefer the standard library; keep functions short.";
 const TURNS: [&str; 5] = [
     "Write a Python function that returns the squares of a list of numbers.",
@@ -53,7 +54,9 @@ impl Conversation {
         Turn {
             content: text,
             prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
-            cached_tokens: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or_else(|| panic!("no cached_tokens: {usage}")),
+            cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("no cached_tokens: {usage}")),
         }
     }
 }
@@ -73,7 +76,10 @@ async fn reference_turns(turns: usize) -> Vec<Turn> {
     let verifier = start_verifier_on(0, &["--prefix-cache", "false"]).await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "0"]).await;
     let reference = converse(&gateway.url, turns).await;
-    assert!(reference.iter().all(|t| t.cached_tokens == 0), "a verifier without the prefix cache recomputes every prompt");
+    assert!(
+        reference.iter().all(|t| t.cached_tokens == 0),
+        "a verifier without the prefix cache recomputes every prompt"
+    );
     reference
 }
 
@@ -84,14 +90,22 @@ async fn each_turn_starts_from_the_last_and_answers_as_target_only() {
     let gateway = start_gateway(&verifier.url, &["--draft-len", "4"]).await;
     let turns = converse(&gateway.url, TURNS.len()).await;
     for (i, (turn, want)) in turns.iter().zip(&reference).enumerate() {
-        assert_eq!(turn.content, want.content, "turn {i}: speculative with the prefix cache vs target-only without it");
+        assert_eq!(
+            turn.content, want.content,
+            "turn {i}: speculative with the prefix cache vs target-only without it"
+        );
         assert_eq!(turn.prompt_tokens, want.prompt_tokens, "turn {i}");
         println!("turn {i}: {} prompt tokens, {} cached", turn.prompt_tokens, turn.cached_tokens);
         if i == 0 {
             assert_eq!(turn.cached_tokens, 0, "nothing is cached before the first turn");
         } else {
             // The whole previous prompt at least: its rows were kept when its generation ended.
-            assert!(turn.cached_tokens >= turns[i - 1].prompt_tokens, "turn {i}: {} cached of {}", turn.cached_tokens, turn.prompt_tokens);
+            assert!(
+                turn.cached_tokens >= turns[i - 1].prompt_tokens,
+                "turn {i}: {} cached of {}",
+                turn.cached_tokens,
+                turn.prompt_tokens
+            );
             assert!(turn.cached_tokens < turn.prompt_tokens);
         }
     }
@@ -141,9 +155,15 @@ async fn start_nginx(port: u16, upstreams: [&str; 2]) -> Nginx {
     let dir = std::env::temp_dir().join(format!("spade-nginx-{}-{port}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     // The shipped configuration, with this test's addresses, one process, and its files in `dir`.
-    let shipped = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nginx/nginx.conf")).unwrap();
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/nginx/nginx.conf"),
+    )
+    .unwrap();
     let d = dir.display();
-    let temp_paths: String = ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"].iter().map(|t| format!("\n    {t}_temp_path {d}/{t};")).collect();
+    let temp_paths: String = ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"]
+        .iter()
+        .map(|t| format!("\n    {t}_temp_path {d}/{t};"))
+        .collect();
     let mut config = shipped;
     for (from, to) in [
         ("worker_processes auto;", format!("master_process off;\npid {d}/nginx.pid;")),
@@ -152,15 +172,28 @@ async fn start_nginx(port: u16, upstreams: [&str; 2]) -> Nginx {
         ("listen 8081;", format!("listen 127.0.0.1:{port};")),
         ("http {", format!("http {{{temp_paths}")),
     ] {
-        assert!(config.contains(from), "deploy/nginx/nginx.conf no longer has {from:?}: update this test");
+        assert!(
+            config.contains(from),
+            "deploy/nginx/nginx.conf no longer has {from:?}: update this test"
+        );
         config = config.replacen(from, &to, 1);
     }
-    assert!(config.contains("hash $http_x_spade_affinity consistent;"), "the shipped configuration must hash on the affinity header");
+    assert!(
+        config.contains("hash $http_x_spade_affinity consistent;"),
+        "the shipped configuration must hash on the affinity header"
+    );
     let conf = dir.join("nginx.conf");
     std::fs::write(&conf, config).unwrap();
     let log = dir.join("nginx.log");
     let child = Command::new(nginx_binary())
-        .args(["-p", &dir.display().to_string(), "-c", &conf.display().to_string(), "-g", "daemon off;"])
+        .args([
+            "-p",
+            &dir.display().to_string(),
+            "-c",
+            &conf.display().to_string(),
+            "-g",
+            "daemon off;",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
@@ -169,7 +202,11 @@ async fn start_nginx(port: u16, upstreams: [&str; 2]) -> Nginx {
     let nginx = Nginx { child, _dir: tempdir::Dir(dir) };
     let deadline = Instant::now() + Duration::from_secs(10);
     while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
-        assert!(Instant::now() < deadline, "nginx did not listen on {port}: {}", std::fs::read_to_string(&log).unwrap_or_default());
+        assert!(
+            Instant::now() < deadline,
+            "nginx did not listen on {port}: {}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     nginx
@@ -183,7 +220,11 @@ async fn replicas_behind_nginx_keep_a_conversation_together_and_survive_losing_i
     let lb_port = free_port();
     let (a, b) = (format!("127.0.0.1:{port_a}"), format!("127.0.0.1:{port_b}"));
     let _nginx = start_nginx(lb_port, [&a, &b]).await;
-    let gateway = start_gateway(&format!("http://127.0.0.1:{lb_port}"), &["--draft-len", "4", "--verify-retries", "2"]).await;
+    let gateway = start_gateway(
+        &format!("http://127.0.0.1:{lb_port}"),
+        &["--draft-len", "4", "--verify-retries", "2"],
+    )
+    .await;
 
     // Three turns: all reach one replica, whose cache serves the second and third.
     let mut conversation = Conversation::new();
@@ -191,12 +232,25 @@ async fn replicas_behind_nginx_keep_a_conversation_together_and_survive_losing_i
     for user in &TURNS[..3] {
         turns.push(conversation.turn(&gateway.url, user).await);
     }
-    let (calls_a, calls_b) = (metric(&replicas[0].url, "spade_verify_calls_total").await, metric(&replicas[1].url, "spade_verify_calls_total").await);
-    assert!((calls_a == 0.0) != (calls_b == 0.0), "one conversation reached both replicas: {calls_a} and {calls_b} calls");
+    let (calls_a, calls_b) = (
+        metric(&replicas[0].url, "spade_verify_calls_total").await,
+        metric(&replicas[1].url, "spade_verify_calls_total").await,
+    );
+    assert!(
+        (calls_a == 0.0) != (calls_b == 0.0),
+        "one conversation reached both replicas: {calls_a} and {calls_b} calls"
+    );
     let (home, other) = if calls_a > 0.0 { (0, 1) } else { (1, 0) };
     let hits = metric(&replicas[home].url, "spade_prompt_tokens_cached_total").await;
-    assert_eq!(hits as u64, turns[1].cached_tokens + turns[2].cached_tokens, "the home replica served the cache hits");
-    assert!(turns[1].cached_tokens >= turns[0].prompt_tokens && turns[2].cached_tokens >= turns[1].prompt_tokens);
+    assert_eq!(
+        hits as u64,
+        turns[1].cached_tokens + turns[2].cached_tokens,
+        "the home replica served the cache hits"
+    );
+    assert!(
+        turns[1].cached_tokens >= turns[0].prompt_tokens
+            && turns[2].cached_tokens >= turns[1].prompt_tokens
+    );
 
     // The replica holding the conversation goes. The next turn reaches the other one (nginx moves on
     // from a refused connection), which prefills the whole conversation once; the turn after hits its cache.
@@ -204,10 +258,22 @@ async fn replicas_behind_nginx_keep_a_conversation_together_and_survive_losing_i
     for user in &TURNS[3..] {
         turns.push(conversation.turn(&gateway.url, user).await);
     }
-    assert_eq!(turns[3].cached_tokens, 0, "the survivor had never seen this conversation: one re-prefill");
-    assert!(turns[4].cached_tokens >= turns[3].prompt_tokens, "the next turn hits the survivor's cache");
-    assert!(metric(&replicas[other].url, "spade_prompt_tokens_cached_total").await >= turns[3].prompt_tokens as f64);
+    assert_eq!(
+        turns[3].cached_tokens, 0,
+        "the survivor had never seen this conversation: one re-prefill"
+    );
+    assert!(
+        turns[4].cached_tokens >= turns[3].prompt_tokens,
+        "the next turn hits the survivor's cache"
+    );
+    assert!(
+        metric(&replicas[other].url, "spade_prompt_tokens_cached_total").await
+            >= turns[3].prompt_tokens as f64
+    );
     for (i, (turn, want)) in turns.iter().zip(&reference).enumerate() {
-        assert_eq!(turn.content, want.content, "turn {i} (a replica lost before turn 3) vs target-only");
+        assert_eq!(
+            turn.content, want.content,
+            "turn {i} (a replica lost before turn 3) vs target-only"
+        );
     }
 }

@@ -33,24 +33,44 @@ async fn sampled_tokens_over_http_follow_the_targets_distribution() {
     let p2 = distribution(&session.score(&context, 1).unwrap()[0], &sampling).unwrap();
     let piece = |t: u32| EdgeModel::decode(&edge, &[t]).unwrap();
     let first_piece = piece(t1);
-    let by_piece: BTreeMap<String, u32> = p2.entries().iter().map(|&(t, _)| (piece(t), t)).collect();
-    assert_eq!(by_piece.len(), p2.entries().len(), "p's tokens must have distinct texts to be told apart: {by_piece:?}");
+    let by_piece: BTreeMap<String, u32> =
+        p2.entries().iter().map(|&(t, _)| (piece(t), t)).collect();
+    assert_eq!(
+        by_piece.len(),
+        p2.entries().len(),
+        "p's tokens must have distinct texts to be told apart: {by_piece:?}"
+    );
 
     let verifier = start_verifier().await;
     let gateway = start_gateway(&verifier.url, &["--draft-len", "3", "--draft-top-k", "2"]).await;
-    let (mut counts, mut kept, mut drafted, mut accepted) = (BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
+    let (mut counts, mut kept, mut drafted, mut accepted) =
+        (BTreeMap::<u32, u64>::new(), 0u64, 0, 0);
     for seed in 0..SAMPLES {
-        let body = request(PROMPT, 4, json!({"temperature": 1.0, "top_k": 6, "seed": seed, "logprobs": true}));
+        let body = request(
+            PROMPT,
+            4,
+            json!({"temperature": 1.0, "top_k": 6, "seed": seed, "logprobs": true}),
+        );
         let v = complete(&gateway.url, &body).await;
         let details = &v["usage"]["completion_tokens_details"];
-        let (a, r) = (details["accepted_prediction_tokens"].as_u64().unwrap(), details["rejected_prediction_tokens"].as_u64().unwrap());
+        let (a, r) = (
+            details["accepted_prediction_tokens"].as_u64().unwrap(),
+            details["rejected_prediction_tokens"].as_u64().unwrap(),
+        );
         accepted += a;
         drafted += a + r;
-        let tokens: Vec<&str> = v["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|t| t["token"].as_str().unwrap()).collect();
+        let tokens: Vec<&str> = v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["token"].as_str().unwrap())
+            .collect();
         assert!(tokens.len() >= 2, "seed {seed}: {v}");
         if tokens[0] == first_piece {
             kept += 1;
-            let token = by_piece.get(tokens[1]).unwrap_or_else(|| panic!("seed {seed}: {:?} is outside the target's support {by_piece:?}", tokens[1]));
+            let token = by_piece.get(tokens[1]).unwrap_or_else(|| {
+                panic!("seed {seed}: {:?} is outside the target's support {by_piece:?}", tokens[1])
+            });
             *counts.entry(*token).or_default() += 1;
         }
     }
@@ -65,6 +85,9 @@ async fn sampled_tokens_over_http_follow_the_targets_distribution() {
     let df = p2.entries().len() - 1;
     println!("{kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})", chi_square_critical(df));
     assert!(kept >= 150, "too few samples with the likely first token: {kept}");
-    assert!(accepted > 0 && accepted < drafted, "both acceptances and rejections should occur: {accepted} of {drafted}");
+    assert!(
+        accepted > 0 && accepted < drafted,
+        "both acceptances and rejections should occur: {accepted} of {drafted}"
+    );
     assert!(stat < chi_square_critical(df), "token 2 is not distributed as the target's p: chi-square {stat:.1}; counts {counts:?}; p {:?}", p2.entries());
 }

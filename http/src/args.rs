@@ -90,7 +90,10 @@ impl<P: ServerProfile> ServerArgs<P> {
     }
 
     pub fn http(&self) -> HttpSettings {
-        HttpSettings { api_key: self.api_key().map(str::to_string), max_body_bytes: self.max_body_bytes }
+        HttpSettings {
+            api_key: self.api_key().map(str::to_string),
+            max_body_bytes: self.max_body_bytes,
+        }
     }
 }
 

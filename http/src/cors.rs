@@ -21,7 +21,8 @@ pub fn layer(origins: &[String]) -> Result<Option<CorsLayer>, String> {
     } else {
         let mut values = Vec::with_capacity(origins.len());
         for origin in origins {
-            let valid = (origin.starts_with("http://") || origin.starts_with("https://")) && !origin.ends_with('/');
+            let valid = (origin.starts_with("http://") || origin.starts_with("https://"))
+                && !origin.ends_with('/');
             let value = HeaderValue::from_str(origin).ok().filter(|_| valid);
             values.push(value.ok_or_else(|| format!("--cors-allow-origin {origin:?} is not an origin (scheme://host[:port], no path)"))?);
         }
@@ -46,8 +47,14 @@ mod tests {
     fn origins_are_checked() {
         assert!(layer(&[]).unwrap().is_none());
         assert!(layer(&["*".into()]).unwrap().is_some());
-        assert!(layer(&["https://app.example.com".into(), "http://localhost:5173".into()]).unwrap().is_some());
-        for bad in [vec!["*".to_string(), "https://a.example".into()], vec!["app.example.com".into()], vec!["https://a.example/".into()]] {
+        assert!(layer(&["https://app.example.com".into(), "http://localhost:5173".into()])
+            .unwrap()
+            .is_some());
+        for bad in [
+            vec!["*".to_string(), "https://a.example".into()],
+            vec!["app.example.com".into()],
+            vec!["https://a.example/".into()],
+        ] {
             assert!(layer(&bad).is_err(), "{bad:?}");
         }
     }

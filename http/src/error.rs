@@ -73,17 +73,28 @@ impl RequestError {
     }
 
     pub fn response(&self) -> ErrorResponse {
-        let invalid = |status, code: &str| ErrorResponse::new(status, "invalid_request_error", self.to_string()).with_code(code);
+        let invalid = |status, code: &str| {
+            ErrorResponse::new(status, "invalid_request_error", self.to_string()).with_code(code)
+        };
         match self {
             Self::Invalid { param, code, .. } => {
-                let mut response = ErrorResponse::new(StatusCode::BAD_REQUEST, "invalid_request_error", self.to_string());
+                let mut response = ErrorResponse::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    self.to_string(),
+                );
                 response.body.error.param = param.clone();
                 response.body.error.code = code.map(str::to_string);
                 response
             }
             Self::Json(_) => invalid(StatusCode::BAD_REQUEST, "invalid_json"),
             Self::TooLarge => invalid(StatusCode::PAYLOAD_TOO_LARGE, "request_too_large"),
-            Self::Unauthorized => ErrorResponse::new(StatusCode::UNAUTHORIZED, "authentication_error", self.to_string()).with_code("invalid_api_key"),
+            Self::Unauthorized => ErrorResponse::new(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                self.to_string(),
+            )
+            .with_code("invalid_api_key"),
             Self::NotFound => invalid(StatusCode::NOT_FOUND, "not_found"),
             Self::MethodNotAllowed => invalid(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed"),
         }
@@ -99,7 +110,11 @@ impl IntoResponse for RequestError {
 impl From<JsonRejection> for RequestError {
     fn from(rejection: JsonRejection) -> Self {
         match rejection {
-            JsonRejection::BytesRejection(_) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => Self::TooLarge,
+            JsonRejection::BytesRejection(_)
+                if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+            {
+                Self::TooLarge
+            }
             other => Self::Json(other.body_text()),
         }
     }

@@ -17,7 +17,12 @@ use crate::args::{Command, ServerArgs, ServerProfile};
 
 /// What every server's `main` does first: `openapi` prints the document and stops (exit 0);
 /// otherwise logging starts, and a configuration that failed its check stops the server (exit 2).
-pub fn start<P: ServerProfile>(args: &ServerArgs<P>, command: Option<&Command>, openapi: fn() -> OpenApi, check: Result<(), String>) -> ControlFlow<ExitCode> {
+pub fn start<P: ServerProfile>(
+    args: &ServerArgs<P>,
+    command: Option<&Command>,
+    openapi: fn() -> OpenApi,
+    check: Result<(), String>,
+) -> ControlFlow<ExitCode> {
     if let Some(Command::Openapi) = command {
         println!("{}", crate::openapi::document(openapi()));
         return ControlFlow::Break(ExitCode::SUCCESS);
@@ -43,7 +48,11 @@ pub fn init_logging(filter: &str, json: bool) {
 /// Serves `app` on `addr` at once, so `/health` answers while `load` runs in the background, and
 /// stops on SIGINT/SIGTERM or as soon as `load` fails (its error is logged). Exit code 0 after a
 /// signal, 1 when binding, serving or loading failed.
-pub async fn run(addr: SocketAddr, app: Router, load: impl Future<Output = Result<(), String>> + Send + 'static) -> ExitCode {
+pub async fn run(
+    addr: SocketAddr,
+    app: Router,
+    load: impl Future<Output = Result<(), String>> + Send + 'static,
+) -> ExitCode {
     let listener = match tokio::net::TcpListener::bind(addr).await {
         Ok(l) => l,
         Err(e) => {
@@ -80,7 +89,11 @@ pub async fn run(addr: SocketAddr, app: Router, load: impl Future<Output = Resul
 
 /// Serves until `shutdown` resolves, then finishes the requests in flight. The listener and the
 /// signal come from the caller, so tests bind port 0 and stop the server when they like.
-pub async fn serve(listener: tokio::net::TcpListener, app: Router, shutdown: impl Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
 }
 

@@ -24,7 +24,13 @@ pub struct FakeScorer {
 
 impl FakeScorer {
     pub fn new(meta: ModelMeta, logits: fn(&[u32]) -> Vec<f32>) -> Self {
-        Self { meta, logits, delay: |_| Duration::ZERO, fail_after: None, calls: Arc::new(AtomicUsize::new(0)) }
+        Self {
+            meta,
+            logits,
+            delay: |_| Duration::ZERO,
+            fail_after: None,
+            calls: Arc::new(AtomicUsize::new(0)),
+        }
     }
 }
 
@@ -53,7 +59,10 @@ struct FakeSession {
 impl ScoreSession for FakeSession {
     fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
         if n_logits == 0 || n_logits > tokens.len() {
-            return Err(EngineError::InvalidRequest(format!("{n_logits} logits asked of {} tokens", tokens.len())));
+            return Err(EngineError::InvalidRequest(format!(
+                "{n_logits} logits asked of {} tokens",
+                tokens.len()
+            )));
         }
         let call = self.calls.fetch_add(1, Ordering::SeqCst);
         std::thread::sleep((self.delay)(tokens));
@@ -61,7 +70,9 @@ impl ScoreSession for FakeSession {
             return Err(EngineError::Drafter("scorer failure injected by the test".into()));
         }
         self.tokens = tokens.to_vec();
-        Ok((tokens.len() - n_logits..tokens.len()).map(|end| (self.logits)(&tokens[..=end])).collect())
+        Ok((tokens.len() - n_logits..tokens.len())
+            .map(|end| (self.logits)(&tokens[..=end]))
+            .collect())
     }
     fn cached_tokens(&self) -> &[u32] {
         &self.tokens
@@ -79,7 +90,13 @@ impl Scorer for FakeScorer {
         &self.meta
     }
     fn new_session(&self) -> Box<dyn ScoreSession> {
-        Box::new(FakeSession { tokens: Vec::new(), logits: self.logits, delay: self.delay, fail_after: self.fail_after, calls: self.calls.clone() })
+        Box::new(FakeSession {
+            tokens: Vec::new(),
+            logits: self.logits,
+            delay: self.delay,
+            fail_after: self.fail_after,
+            calls: self.calls.clone(),
+        })
     }
 }
 
@@ -89,7 +106,9 @@ pub mod bytes {
     use std::sync::Arc;
 
     use spade_core::{DraftToken, SparseDist};
-    use spade_engine::{DraftParams, Drafter, EdgeModel, EngineError, ModelMeta, Role, ToolSpec, Turn};
+    use spade_engine::{
+        DraftParams, Drafter, EdgeModel, EngineError, ModelMeta, Role, ToolSpec, Turn,
+    };
 
     use super::FakeScorer;
 
@@ -135,13 +154,21 @@ pub mod bytes {
             &self.meta
         }
 
-        async fn draft(&self, committed: &[u32], n: usize, _params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+        async fn draft(
+            &self,
+            committed: &[u32],
+            n: usize,
+            _params: &DraftParams,
+        ) -> Result<Vec<DraftToken>, EngineError> {
             let mut seq = committed.to_vec();
             let mut out = Vec::new();
             for _ in 0..n {
                 let right = script_at(&seq);
                 let token = if seq.len() % 4 == 3 && right != EOS { b'?' as u32 } else { right };
-                out.push(DraftToken { token, q: SparseDist::new(vec![(token, 1.0)], Some(VOCAB)).unwrap() });
+                out.push(DraftToken {
+                    token,
+                    q: SparseDist::new(vec![(token, 1.0)], Some(VOCAB)).unwrap(),
+                });
                 seq.push(token);
                 if token == EOS {
                     break;
@@ -153,10 +180,21 @@ pub mod bytes {
 
     #[async_trait::async_trait]
     impl EdgeModel for FakeEdge {
-        async fn encode_conversation(&self, turns: &[Turn], _tools: &[ToolSpec]) -> Result<Vec<u32>, EngineError> {
+        async fn encode_conversation(
+            &self,
+            turns: &[Turn],
+            _tools: &[ToolSpec],
+        ) -> Result<Vec<u32>, EngineError> {
             let mut ids: Vec<u32> = turns
                 .iter()
-                .flat_map(|t| format!("{}: {}\n", format!("{:?}", t.role.unwrap_or(Role::User)).to_lowercase(), t.content).into_bytes())
+                .flat_map(|t| {
+                    format!(
+                        "{}: {}\n",
+                        format!("{:?}", t.role.unwrap_or(Role::User)).to_lowercase(),
+                        t.content
+                    )
+                    .into_bytes()
+                })
                 .map(u32::from)
                 .collect();
             ids.push(TURN);
@@ -168,12 +206,19 @@ pub mod bytes {
             Ok(String::from_utf8_lossy(&bytes).into_owned())
         }
 
-        async fn encode_text(&self, text: &str, _add_special_tokens: bool) -> Result<Vec<u32>, EngineError> {
+        async fn encode_text(
+            &self,
+            text: &str,
+            _add_special_tokens: bool,
+        ) -> Result<Vec<u32>, EngineError> {
             Ok(text.bytes().map(u32::from).collect())
         }
 
         fn decode_all(&self, tokens: &[u32]) -> Result<String, EngineError> {
-            let bytes: Vec<u8> = tokens.iter().flat_map(|&t| if t < 256 { vec![t as u8] } else { b"<eos>".to_vec() }).collect();
+            let bytes: Vec<u8> = tokens
+                .iter()
+                .flat_map(|&t| if t < 256 { vec![t as u8] } else { b"<eos>".to_vec() })
+                .collect();
             Ok(String::from_utf8_lossy(&bytes).into_owned())
         }
 

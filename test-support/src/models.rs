@@ -16,7 +16,9 @@ pub const TARGET: &str = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf";
 
 /// The path of model `name`; panics with the command to run where it is missing.
 pub fn model_path(name: &str) -> PathBuf {
-    let dir = std::env::var_os("SPADE_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
+    let dir = std::env::var_os("SPADE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"));
     let path = dir.join(name);
     assert!(path.is_file(), "{} is missing: run scripts/fetch-models.sh first", path.display());
     path
@@ -39,7 +41,9 @@ pub fn padded_copy(src: &Path, rows: usize, fill: usize) -> PathBuf {
     let mut file = File::open(src).unwrap();
     let content = gguf_file::Content::read(&mut file).unwrap();
     let mut metadata = content.metadata.clone();
-    let Some(Value::Array(tokens)) = metadata.get_mut("tokenizer.ggml.tokens") else { panic!("{name} has no token list") };
+    let Some(Value::Array(tokens)) = metadata.get_mut("tokenizer.ggml.tokens") else {
+        panic!("{name} has no token list")
+    };
     let first = tokens.len();
     tokens.extend((first..first + rows).map(|i| Value::String(format!("[PAD{i}]"))));
     if let Some(Value::Array(kinds)) = metadata.get_mut("tokenizer.ggml.token_type") {
@@ -54,7 +58,13 @@ pub fn padded_copy(src: &Path, rows: usize, fill: usize) -> PathBuf {
             let row_bytes = data.len() / dims[0];
             let row = data[fill * row_bytes..(fill + 1) * row_bytes].to_vec();
             (0..rows).for_each(|_| data.extend_from_slice(&row));
-            tensor = qtensor_from_ggml(tensor.dtype(), &data, vec![dims[0] + rows, dims[1]], &Device::Cpu).unwrap();
+            tensor = qtensor_from_ggml(
+                tensor.dtype(),
+                &data,
+                vec![dims[0] + rows, dims[1]],
+                &Device::Cpu,
+            )
+            .unwrap();
         }
         tensors.push((tensor_name.clone(), tensor));
     }
@@ -62,7 +72,8 @@ pub fn padded_copy(src: &Path, rows: usize, fill: usize) -> PathBuf {
     let partial = out.with_extension(format!("{}.partial", std::process::id()));
     let mut writer = std::io::BufWriter::new(File::create(&partial).unwrap());
     let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> =
+        tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
     gguf_file::write(&mut writer, &metadata, &tensors).unwrap();
     drop(writer);
     std::fs::rename(&partial, &out).unwrap();

@@ -26,8 +26,18 @@ impl Drop for Server {
 
 impl Server {
     /// Starts `program --port <port> args...` (port 0: a free one) with `env` set. `name` names the log file.
-    pub fn spawn(program: &Path, name: &str, port: u16, args: &[&str], env: &[(&str, &str)]) -> Self {
-        assert!(program.is_file(), "{} is missing: run `cargo build --workspace` (or the README's test command)", program.display());
+    pub fn spawn(
+        program: &Path,
+        name: &str,
+        port: u16,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Self {
+        assert!(
+            program.is_file(),
+            "{} is missing: run `cargo build --workspace` (or the README's test command)",
+            program.display()
+        );
         let port = if port == 0 { free_port() } else { port };
         let log = std::env::temp_dir().join(format!("spade-test-{name}-{port}.log"));
         let _ = std::fs::remove_file(&log);
@@ -46,7 +56,12 @@ impl Server {
     pub async fn wait_ready(&self) {
         let deadline = Instant::now() + READY_TIMEOUT;
         while health_status(self.port).await != Some(200) {
-            assert!(Instant::now() < deadline, "{} did not become ready; its log:\n{}", self.url, self.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "{} did not become ready; its log:\n{}",
+                self.url,
+                self.log_text()
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -93,5 +108,9 @@ pub async fn health_status(port: u16) -> Option<u16> {
 
 /// The `(flag, value)` pairs whose flag `args` does not set itself (clap refuses a flag given twice).
 pub fn unless_given<'a>(args: &[&str], defaults: &[(&'a str, &'a str)]) -> Vec<&'a str> {
-    defaults.iter().filter(|(flag, _)| !args.contains(flag)).flat_map(|(flag, value)| [*flag, *value]).collect()
+    defaults
+        .iter()
+        .filter(|(flag, _)| !args.contains(flag))
+        .flat_map(|(flag, value)| [*flag, *value])
+        .collect()
 }

@@ -4,7 +4,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
-use spade_core::protocol::{ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES, FEATURE_PREFIX_CACHE};
+use spade_core::protocol::{
+    ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES, FEATURE_PREFIX_CACHE,
+};
 use spade_core::ErrorBody;
 use spade_http::Json;
 use utoipa::ToSchema;
@@ -27,7 +29,10 @@ pub struct Health {
 pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
     let ready = state.target_model.is_loaded();
     let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = Health { status: if ready { "ready" } else { "loading" }.into(), model: state.model_id.clone() };
+    let body = Health {
+        status: if ready { "ready" } else { "loading" }.into(),
+        model: state.model_id.clone(),
+    };
     (status, Json(body))
 }
 
@@ -64,6 +69,14 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
 ), security(("bearer" = [])))]
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let store = state.sessions.usage();
-    let (backlog_secs, in_line) = state.target().map_or((0.0, 0), |t| (t.batcher.load.backlog_seconds(), t.batcher.prompts_in_line()));
-    spade_http::prometheus(state.metrics.render(store, state.admission.held(), backlog_secs, in_line, state.target_model.is_loaded()))
+    let (backlog_secs, in_line) = state
+        .target()
+        .map_or((0.0, 0), |t| (t.batcher.load.backlog_seconds(), t.batcher.prompts_in_line()));
+    spade_http::prometheus(state.metrics.render(
+        store,
+        state.admission.held(),
+        backlog_secs,
+        in_line,
+        state.target_model.is_loaded(),
+    ))
 }

@@ -26,7 +26,9 @@ impl Admission {
     }
 
     pub fn admit(&self) -> Result<Admitted, ApiError> {
-        let admitted = self.held.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < self.max_held).then_some(n + 1));
+        let admitted = self.held.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            (n < self.max_held).then_some(n + 1)
+        });
         match admitted {
             Ok(_) => Ok(Admitted(self.held.clone())),
             Err(_) => Err(ApiError::QueueFull(1)),

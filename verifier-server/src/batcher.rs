@@ -93,26 +93,44 @@ pub struct Batcher {
 
 impl Batcher {
     /// `pass_times`: the block sizes timed at start-up, which passes of one call go on updating.
-    pub fn start(scorer: Arc<dyn Scorer>, limits: PassLimits, max_backlog_secs: f64, metrics: Arc<Metrics>, pass_times: PassTimes) -> std::io::Result<Self> {
+    pub fn start(
+        scorer: Arc<dyn Scorer>,
+        limits: PassLimits,
+        max_backlog_secs: f64,
+        metrics: Arc<Metrics>,
+        pass_times: PassTimes,
+    ) -> std::io::Result<Self> {
         let (calls, queue) = mpsc::channel();
         let load = Arc::new(Load { pass_times: Mutex::new(pass_times), ..Load::default() });
         let shared = load.clone();
-        std::thread::Builder::new().name("spade-batcher".into()).spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
+        std::thread::Builder::new()
+            .name("spade-batcher".into())
+            .spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
         Ok(Self { calls, limits, max_backlog_secs, line: Mutex::default(), load })
     }
 
     /// Whether a call of session `session_id` scoring `tokens` in `session` (the last `n_logits` with
     /// logits) may join now: spade-core's [`admit`] against the current backlog plus the prompts turned
     /// away before it ([`PromptLine`]), else 429 `verifier_busy`.
-    pub fn admit(&self, session_id: Option<&str>, session: &dyn ScoreSession, tokens: &[u32], n_logits: usize) -> Result<Joining, ApiError> {
+    pub fn admit(
+        &self,
+        session_id: Option<&str>,
+        session: &dyn ScoreSession,
+        tokens: &[u32],
+        n_logits: usize,
+    ) -> Result<Joining, ApiError> {
         let call = Waiting { pending: session.rows_to_score(tokens, n_logits), tail: n_logits };
         // One reading of the backlog and the cost serves both the decision and its message.
         let (backlog, cost) = (self.load.rows.load(Ordering::SeqCst), self.load.row_cost());
         let mut line = self.line.lock().unwrap_or_else(|p| p.into_inner());
-        let decide = |ahead: usize| admit(call, backlog + ahead, &cost, &self.limits, self.max_backlog_secs);
+        let decide =
+            |ahead: usize| admit(call, backlog + ahead, &cost, &self.limits, self.max_backlog_secs);
         match line.take_turn(session_id, call.pending, Instant::now(), decide) {
             Ok(()) => Ok(Joining { rows: call.pending }),
-            Err(retry_after) => Err(ApiError::Busy { retry_after, backlog_secs: backlog as f64 * cost.seconds_per_row().unwrap_or(0.0) }),
+            Err(retry_after) => Err(ApiError::Busy {
+                retry_after,
+                backlog_secs: backlog as f64 * cost.seconds_per_row().unwrap_or(0.0),
+            }),
         }
     }
 
@@ -122,10 +140,24 @@ impl Batcher {
     }
 
     /// Scores `tokens` in `session`, returning the logits of the last `n_logits` positions.
-    pub async fn score(&self, joining: Joining, session: OwnedMutexGuard<Session>, tokens: Vec<u32>, n_logits: usize) -> Result<Scored, EngineError> {
+    pub async fn score(
+        &self,
+        joining: Joining,
+        session: OwnedMutexGuard<Session>,
+        tokens: Vec<u32>,
+        n_logits: usize,
+    ) -> Result<Scored, EngineError> {
         let (reply, answer) = oneshot::channel();
         let left = joining.rows;
-        let call = Call { session, tokens, n_logits, left, arrived: Instant::now(), first_pass: None, reply };
+        let call = Call {
+            session,
+            tokens,
+            n_logits,
+            left,
+            arrived: Instant::now(),
+            first_pass: None,
+            reply,
+        };
         self.load.rows.fetch_add(left, Ordering::SeqCst);
         if self.calls.send(call).is_err() {
             self.load.remove(left);
@@ -135,7 +167,13 @@ impl Batcher {
     }
 }
 
-fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load, queue: &mpsc::Receiver<Call>) {
+fn run(
+    scorer: &dyn Scorer,
+    limits: &PassLimits,
+    metrics: &Metrics,
+    load: &Load,
+    queue: &mpsc::Receiver<Call>,
+) {
     let mut waiting: VecDeque<Call> = VecDeque::new();
     loop {
         if waiting.is_empty() {
@@ -156,7 +194,8 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
         if waiting.is_empty() {
             continue;
         }
-        let shapes: Vec<Waiting> = waiting.iter().map(|c| Waiting { pending: c.left, tail: c.n_logits }).collect();
+        let shapes: Vec<Waiting> =
+            waiting.iter().map(|c| Waiting { pending: c.left, tail: c.n_logits }).collect();
         let plan = plan_pass(&shapes, limits);
         let started = Instant::now();
         let mut joined: Vec<usize> = Vec::new();
@@ -165,7 +204,12 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
             if rows > 0 {
                 call.first_pass.get_or_insert(started);
                 joined.push(i);
-                jobs.push(BatchJob { session: call.session.score.as_mut(), tokens: &call.tokens, n_logits: call.n_logits, rows });
+                jobs.push(BatchJob {
+                    session: call.session.score.as_mut(),
+                    tokens: &call.tokens,
+                    n_logits: call.n_logits,
+                    rows,
+                });
             }
         }
         let results = scorer.score_batch(&mut jobs);
@@ -174,7 +218,10 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
         metrics.record_pass(joined.len(), rows, elapsed);
         load.cost.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
         if joined.len() == 1 {
-            load.pass_times.lock().unwrap_or_else(|p| p.into_inner()).observe(rows, elapsed.as_secs_f64());
+            load.pass_times
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .observe(rows, elapsed.as_secs_f64());
         }
         for (call, &rows) in waiting.iter_mut().zip(&plan) {
             call.left -= rows;
@@ -195,7 +242,12 @@ fn run(scorer: &dyn Scorer, limits: &PassLimits, metrics: &Metrics, load: &Load,
             // Nothing, unless scoring failed part way.
             load.remove(call.left);
             let first = call.first_pass.unwrap_or(started);
-            let scored = Scored { session: call.session, logits, queued: first - call.arrived, forward: done - first };
+            let scored = Scored {
+                session: call.session,
+                logits,
+                queued: first - call.arrived,
+                forward: done - first,
+            };
             // The caller may be gone; its session is then released here.
             let _ = call.reply.send(scored);
         }

@@ -6,7 +6,11 @@ use spade_core::limits::DEFAULT_MAX_DRAFT;
 use spade_http::{Command, ServerArgs};
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "spade-verifier", version, about = "SPADE cloud verifier: scores draft blocks with the large model")]
+#[command(
+    name = "spade-verifier",
+    version,
+    about = "SPADE cloud verifier: scores draft blocks with the large model"
+)]
 pub struct Config {
     /// Target model: a local GGUF file (llama or qwen2 architecture), or `owner/repo:file.gguf` on the
     /// Hugging Face hub where a network exists.
@@ -75,7 +79,12 @@ pub struct Config {
     pub command: Option<Command>,
 }
 
-spade_http::server_profile!(VerifierFlags, "SPADE_VERIFIER", port = "8081", max_body_bytes = "8388608");
+spade_http::server_profile!(
+    VerifierFlags,
+    "SPADE_VERIFIER",
+    port = "8081",
+    max_body_bytes = "8388608"
+);
 
 impl Config {
     /// Refuses settings that would expose an unauthenticated verifier or cannot work.
@@ -92,7 +101,9 @@ impl Config {
         if self.max_draft == 0 {
             return Err("--max-draft must be at least 1".into());
         }
-        self.pass_limits().check(self.max_draft + 1).map_err(|e| format!("--max-batch-sessions, --max-batch-rows, --prefill-chunk: {e}"))
+        self.pass_limits()
+            .check(self.max_draft + 1)
+            .map_err(|e| format!("--max-batch-sessions, --max-batch-rows, --prefill-chunk: {e}"))
     }
 
     /// Block sizes timed at start-up: `1..=` this.
@@ -101,6 +112,10 @@ impl Config {
     }
 
     pub fn pass_limits(&self) -> PassLimits {
-        PassLimits { max_rows: self.max_batch_rows, max_sessions: self.max_batch_sessions, prefill_chunk: self.prefill_chunk }
+        PassLimits {
+            max_rows: self.max_batch_rows,
+            max_sessions: self.max_batch_sessions,
+            prefill_chunk: self.prefill_chunk,
+        }
     }
 }

@@ -35,16 +35,25 @@ impl From<&ApiError> for ErrorResponse {
         match e {
             ApiError::Request(e) => e.response(),
             ApiError::ResendContext(_) => {
-                ErrorResponse::new(StatusCode::CONFLICT, "invalid_request_error", message).with_code("resend_context").with_param("context_start")
+                ErrorResponse::new(StatusCode::CONFLICT, "invalid_request_error", message)
+                    .with_code("resend_context")
+                    .with_param("context_start")
             }
-            ApiError::QueueFull(secs) => ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
-                .with_code("queue_full")
-                .with_header(header::RETRY_AFTER, HeaderValue::from(*secs)),
-            ApiError::Busy { retry_after, .. } => ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
-                .with_code("verifier_busy")
-                .with_header(header::RETRY_AFTER, HeaderValue::from(*retry_after)),
-            ApiError::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message).with_code("not_ready"),
-            ApiError::Internal(_) => ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message),
+            ApiError::QueueFull(secs) => {
+                ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+                    .with_code("queue_full")
+                    .with_header(header::RETRY_AFTER, HeaderValue::from(*secs))
+            }
+            ApiError::Busy { retry_after, .. } => {
+                ErrorResponse::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+                    .with_code("verifier_busy")
+                    .with_header(header::RETRY_AFTER, HeaderValue::from(*retry_after))
+            }
+            ApiError::NotReady => ErrorResponse::server(StatusCode::SERVICE_UNAVAILABLE, message)
+                .with_code("not_ready"),
+            ApiError::Internal(_) => {
+                ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message)
+            }
         }
     }
 }
@@ -57,12 +66,24 @@ impl IntoResponse for ApiError {
 
 impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
-        let invalid = |param: Option<&str>, code| RequestError::Invalid { message: e.to_string(), param: param.map(str::to_string), code }.into();
+        let invalid = |param: Option<&str>, code| {
+            RequestError::Invalid { message: e.to_string(), param: param.map(str::to_string), code }
+                .into()
+        };
         match &e {
-            EngineError::ContextTooLong { .. } => invalid(Some("context"), Some("context_length_exceeded")),
-            EngineError::Grammar(GrammarError::Invalid(_)) => invalid(Some("grammar"), Some("invalid_grammar")),
-            EngineError::Grammar(GrammarError::Violated { .. }) => invalid(Some("context"), Some("grammar_violated")),
-            EngineError::TokenOutOfVocab { .. } | EngineError::InvalidRequest(_) | EngineError::Sampling(_) | EngineError::Verify(_) => invalid(None, None),
+            EngineError::ContextTooLong { .. } => {
+                invalid(Some("context"), Some("context_length_exceeded"))
+            }
+            EngineError::Grammar(GrammarError::Invalid(_)) => {
+                invalid(Some("grammar"), Some("invalid_grammar"))
+            }
+            EngineError::Grammar(GrammarError::Violated { .. }) => {
+                invalid(Some("context"), Some("grammar_violated"))
+            }
+            EngineError::TokenOutOfVocab { .. }
+            | EngineError::InvalidRequest(_)
+            | EngineError::Sampling(_)
+            | EngineError::Verify(_) => invalid(None, None),
             other => Self::Internal(other.to_string()),
         }
     }

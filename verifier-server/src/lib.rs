@@ -23,7 +23,14 @@ pub use state::{AppState, Target, Verifier};
 
 /// The verifier's routes in spade-http's skeleton: serve it with `spade_http::serve`.
 pub fn router(state: AppState) -> Router {
-    let calls = Router::new().route("/verify", post(verify::verify)).route("/sessions/{id}", delete(verify::end_session));
-    let info = Router::new().route("/v1/info", get(admin::info)).route("/metrics", get(admin::metrics));
-    spade_http::app(get(admin::health).with_state(state.clone()), calls.merge(info).with_state(state.clone()), &state.http)
+    let calls = Router::new()
+        .route("/verify", post(verify::verify))
+        .route("/sessions/{id}", delete(verify::end_session));
+    let info =
+        Router::new().route("/v1/info", get(admin::info)).route("/metrics", get(admin::metrics));
+    spade_http::app(
+        get(admin::health).with_state(state.clone()),
+        calls.merge(info).with_state(state.clone()),
+        &state.http,
+    )
 }

@@ -12,7 +12,9 @@ use utoipa::OpenApi;
 #[tokio::main]
 async fn main() -> ExitCode {
     let config = Config::parse();
-    if let ControlFlow::Break(code) = spade_http::start(&config.server, config.command.as_ref(), ApiDoc::openapi, config.check()) {
+    if let ControlFlow::Break(code) =
+        spade_http::start(&config.server, config.command.as_ref(), ApiDoc::openapi, config.check())
+    {
         return code;
     }
     if let Some(n) = config.threads {
@@ -21,10 +23,19 @@ async fn main() -> ExitCode {
         }
     }
     let state = Arc::new(Verifier::new(&config));
-    tracing::info!(auth = state.http.api_key.is_some(), max_draft = config.max_draft, "verifier starting");
+    tracing::info!(
+        auth = state.http.api_key.is_some(),
+        max_draft = config.max_draft,
+        "verifier starting"
+    );
     // /health answers 503 until the model is loaded.
     let model = config.model.clone().unwrap_or_default();
-    spade_http::run(config.server.addr(), router(state.clone()), load(model, config.timed_rows(), state)).await
+    spade_http::run(
+        config.server.addr(),
+        router(state.clone()),
+        load(model, config.timed_rows(), state),
+    )
+    .await
 }
 
 /// Loads on a blocking thread, then times blocks of `1..=timed_rows` rows: reading and preparing the
@@ -32,7 +43,8 @@ async fn main() -> ExitCode {
 async fn load(model: String, timed_rows: usize, state: Arc<Verifier>) -> Result<(), String> {
     let source = ModelSource::parse(&model).map_err(|e| format!("cannot load {model}: {e}"))?;
     let (scorer, pass_times) = tokio::task::spawn_blocking(move || {
-        let scorer = CandleScorer::load_source(&source).map_err(|e| format!("cannot load {model}: {e}"))?;
+        let scorer =
+            CandleScorer::load_source(&source).map_err(|e| format!("cannot load {model}: {e}"))?;
         tracing::info!(model = %model, vocab = scorer.meta_ref().vocab_size, "model loaded");
         // Without the times gateways start from their priors: worth a warning, not a verifier that will not start.
         let times = spade_engine::time_passes(&scorer, timed_rows).unwrap_or_else(|e| {
@@ -45,5 +57,7 @@ async fn load(model: String, timed_rows: usize, state: Arc<Verifier>) -> Result<
     .map_err(|e| format!("the loading task failed: {e}"))??;
     let pass_ms: Vec<u64> = pass_times.milliseconds().iter().map(|ms| ms.round() as u64).collect();
     tracing::info!(?pass_ms, "passes of 1, 2, … rows timed; ready");
-    state.load_model(Arc::new(scorer), pass_times).map_err(|e| format!("cannot start the scoring thread: {e}"))
+    state
+        .load_model(Arc::new(scorer), pass_times)
+        .map_err(|e| format!("cannot start the scoring thread: {e}"))
 }

@@ -65,7 +65,14 @@ fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Metrics {
-    pub fn record_verify(&self, drafted: usize, accepted: usize, emitted: usize, forward: Duration, queue: Duration) {
+    pub fn record_verify(
+        &self,
+        drafted: usize,
+        accepted: usize,
+        emitted: usize,
+        forward: Duration,
+        queue: Duration,
+    ) {
         self.verify_calls.fetch_add(1, Ordering::Relaxed);
         self.draft_tokens.fetch_add(drafted as u64, Ordering::Relaxed);
         self.accepted_tokens.fetch_add(accepted as u64, Ordering::Relaxed);
@@ -116,7 +123,14 @@ impl Metrics {
     }
 
     /// The Prometheus text exposition; `store`, `held` and `backlog_secs` are gauges read now.
-    pub fn render(&self, store: Usage, held: usize, backlog_secs: f64, prompts_in_line: usize, ready: bool) -> String {
+    pub fn render(
+        &self,
+        store: Usage,
+        held: usize,
+        backlog_secs: f64,
+        prompts_in_line: usize,
+        ready: bool,
+    ) -> String {
         let mut out = String::new();
         let counters = [
             ("spade_verify_calls_total", "Verify calls answered.", &self.verify_calls),
@@ -143,15 +157,43 @@ impl Metrics {
         }
 
         let pos = locked(&self.per_position).clone();
-        let by_position = |column: usize| pos.iter().enumerate().map(move |(i, counts)| (i.to_string(), counts[column]));
+        let by_position = |column: usize| {
+            pos.iter().enumerate().map(move |(i, counts)| (i.to_string(), counts[column]))
+        };
         let accepted_help = "Draft tokens accepted, by position in the block.";
-        render_labeled(&mut out, "counter", "spade_spec_decode_num_accepted_tokens_per_pos", accepted_help, "position", by_position(1));
+        render_labeled(
+            &mut out,
+            "counter",
+            "spade_spec_decode_num_accepted_tokens_per_pos",
+            accepted_help,
+            "position",
+            by_position(1),
+        );
         let drafted_help = "Draft tokens judged, by position in the block.";
-        render_labeled(&mut out, "counter", "spade_spec_decode_num_draft_tokens_per_pos", drafted_help, "position", by_position(0));
+        render_labeled(
+            &mut out,
+            "counter",
+            "spade_spec_decode_num_draft_tokens_per_pos",
+            drafted_help,
+            "position",
+            by_position(0),
+        );
 
-        locked(&self.forward).render(&mut out, "spade_verify_forward_seconds", "Target forward pass time per verify call.");
-        locked(&self.queue_wait).render(&mut out, "spade_verify_queue_seconds", "Time verify calls waited for their first forward pass.");
-        locked(&self.pass_time).render(&mut out, "spade_verify_pass_seconds", "Time per batched forward pass.");
+        locked(&self.forward).render(
+            &mut out,
+            "spade_verify_forward_seconds",
+            "Target forward pass time per verify call.",
+        );
+        locked(&self.queue_wait).render(
+            &mut out,
+            "spade_verify_queue_seconds",
+            "Time verify calls waited for their first forward pass.",
+        );
+        locked(&self.pass_time).render(
+            &mut out,
+            "spade_verify_pass_seconds",
+            "Time per batched forward pass.",
+        );
 
         let gauges = [
             ("spade_sessions", "Live sessions holding a KV cache.", store.sessions),
@@ -166,7 +208,13 @@ impl Metrics {
             render_scalar(&mut out, "gauge", name, help, value);
         }
         let backlog_help = "Seconds of scoring waiting, at the measured cost per position (--max-backlog-secs bounds it for new prompts).";
-        render_scalar(&mut out, "gauge", "spade_verify_backlog_seconds", backlog_help, format!("{backlog_secs:.3}"));
+        render_scalar(
+            &mut out,
+            "gauge",
+            "spade_verify_backlog_seconds",
+            backlog_help,
+            format!("{backlog_secs:.3}"),
+        );
         out
     }
 }

@@ -1,6 +1,8 @@
 //! The OpenAPI document, generated from the handlers' annotations; spade-http adds the shared parts.
 
-use spade_core::protocol::{ModelInfo, TokenLogprob, VerifyRequest, VerifyResponse, VerifyTiming, WireDraftToken};
+use spade_core::protocol::{
+    ModelInfo, TokenLogprob, VerifyRequest, VerifyResponse, VerifyTiming, WireDraftToken,
+};
 use spade_core::{NextKind, SamplingParams};
 use utoipa::OpenApi;
 
@@ -8,8 +10,27 @@ use crate::admin::Health;
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "SPADE verifier", description = "Cloud side of SPADE: judges draft blocks with the large model."),
-    paths(crate::verify::verify, crate::verify::end_session, crate::admin::health, crate::admin::info, crate::admin::metrics),
-    components(schemas(VerifyRequest, VerifyResponse, WireDraftToken, TokenLogprob, VerifyTiming, ModelInfo, SamplingParams, NextKind, Health))
+    info(
+        title = "SPADE verifier",
+        description = "Cloud side of SPADE: judges draft blocks with the large model."
+    ),
+    paths(
+        crate::verify::verify,
+        crate::verify::end_session,
+        crate::admin::health,
+        crate::admin::info,
+        crate::admin::metrics
+    ),
+    components(schemas(
+        VerifyRequest,
+        VerifyResponse,
+        WireDraftToken,
+        TokenLogprob,
+        VerifyTiming,
+        ModelInfo,
+        SamplingParams,
+        NextKind,
+        Health
+    ))
 )]
 pub struct ApiDoc;

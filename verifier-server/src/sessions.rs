@@ -86,7 +86,8 @@ impl Inner {
     }
 
     fn total_bytes(&self) -> usize {
-        self.slots.values().map(|s| s.bytes).sum::<usize>() + self.entries.values().map(|e| e.bytes).sum::<usize>()
+        self.slots.values().map(|s| s.bytes).sum::<usize>()
+            + self.entries.values().map(|e| e.bytes).sum::<usize>()
     }
 
     fn remove_entry(&mut self, key: u64) -> Option<Entry> {
@@ -96,10 +97,15 @@ impl Inner {
 
     /// Evicts until the total fits `budget`: cache entries first, then idle live sessions other than
     /// `keep`, least recently used first. Returns what went, to be dropped outside the lock.
-    fn evict(&mut self, budget: usize, keep: Option<&str>) -> (Evicted, Vec<Box<dyn ScoreSession>>, Vec<SharedSession>) {
+    fn evict(
+        &mut self,
+        budget: usize,
+        keep: Option<&str>,
+    ) -> (Evicted, Vec<Box<dyn ScoreSession>>, Vec<SharedSession>) {
         let (mut evicted, mut entries, mut sessions) = (Evicted::default(), Vec::new(), Vec::new());
         while self.total_bytes() > budget {
-            if let Some(key) = self.entries.iter().min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k) {
+            if let Some(key) = self.entries.iter().min_by_key(|(_, e)| e.last_used).map(|(k, _)| *k)
+            {
                 entries.extend(self.remove_entry(key).map(|e| e.score));
                 evicted.cache_entries += 1;
                 continue;
@@ -107,7 +113,9 @@ impl Inner {
             let victim = self
                 .slots
                 .iter()
-                .filter(|(name, s)| Some(name.as_str()) != keep && Arc::strong_count(&s.session) == 1)
+                .filter(|(name, s)| {
+                    Some(name.as_str()) != keep && Arc::strong_count(&s.session) == 1
+                })
                 .min_by_key(|(_, s)| s.last_used)
                 .map(|(name, _)| name.clone());
             match victim {
@@ -131,7 +139,13 @@ pub struct SessionStore {
 impl SessionStore {
     /// `prefix_cache`: keep finished sessions' rows for later sessions that share their prefix.
     pub fn new(budget_bytes: usize, prefix_cache: bool) -> Self {
-        let inner = Inner { slots: HashMap::new(), entries: HashMap::new(), index: PrefixIndex::new(DEFAULT_BLOCK), next_entry: 0, clock: 0 };
+        let inner = Inner {
+            slots: HashMap::new(),
+            entries: HashMap::new(),
+            index: PrefixIndex::new(DEFAULT_BLOCK),
+            next_entry: 0,
+            clock: 0,
+        };
         Self { inner: Mutex::new(inner), budget_bytes, prefix_cache }
     }
 
@@ -142,17 +156,26 @@ impl SessionStore {
     /// The session for a call that sends the full `context`: the live one named `id`, else a new one
     /// (named `id` when given) that starts from the longest cached prefix of `context`, or empty
     /// from `fresh`.
-    pub fn open(&self, id: Option<&str>, context: &[u32], fresh: impl FnOnce() -> Box<dyn ScoreSession>) -> SharedSession {
+    pub fn open(
+        &self,
+        id: Option<&str>,
+        context: &[u32],
+        fresh: impl FnOnce() -> Box<dyn ScoreSession>,
+    ) -> SharedSession {
         let mut inner = self.lock();
         let now = inner.tick();
         if let Some(slot) = id.and_then(|id| inner.slots.get_mut(id)) {
             slot.last_used = now;
             return slot.session.clone();
         }
-        let score = self.start_from_cache(&mut inner, context, now, id.is_some()).unwrap_or_else(fresh);
+        let score =
+            self.start_from_cache(&mut inner, context, now, id.is_some()).unwrap_or_else(fresh);
         let session = Arc::new(AsyncMutex::new(Session::new(score)));
         if let Some(id) = id {
-            inner.slots.insert(id.to_string(), Slot { session: session.clone(), last_used: now, bytes: MIN_SESSION_BYTES });
+            inner.slots.insert(
+                id.to_string(),
+                Slot { session: session.clone(), last_used: now, bytes: MIN_SESSION_BYTES },
+            );
         }
         session
     }
@@ -163,14 +186,22 @@ impl SessionStore {
     /// one-off call (`keeps`: false), whose session goes when the call does. An idle live
     /// session sharing more is copied instead: a generation whose end has not reached us yet (its
     /// gateway ends it after answering, so the next turn may arrive first).
-    fn start_from_cache(&self, inner: &mut Inner, context: &[u32], now: u64, keeps: bool) -> Option<Box<dyn ScoreSession>> {
+    fn start_from_cache(
+        &self,
+        inner: &mut Inner,
+        context: &[u32],
+        now: u64,
+        keeps: bool,
+    ) -> Option<Box<dyn ScoreSession>> {
         if !self.prefix_cache {
             return None;
         }
         let entries = &inner.entries;
         let hit = inner.index.longest(context, |key| entries.get(key).map_or(0, |e| e.last_used));
         let cached = hit.as_ref().map_or(0, |h| h.shared);
-        if let Some(copy) = fork_idle_session(inner.slots.values(), context, cached.max(inner.index.block() - 1)) {
+        if let Some(copy) =
+            fork_idle_session(inner.slots.values(), context, cached.max(inner.index.block() - 1))
+        {
             return Some(copy);
         }
         let hit = hit?;
@@ -218,7 +249,9 @@ impl SessionStore {
         // A call still holding the session finishes on its own copy, which is then freed.
         let score = Arc::try_unwrap(slot.session).ok().map(|m| m.into_inner().score);
         match score {
-            Some(score) if self.prefix_cache && score.cached_tokens().len() >= inner.index.block() => {
+            Some(score)
+                if self.prefix_cache && score.cached_tokens().len() >= inner.index.block() =>
+            {
                 let now = inner.tick();
                 let key = inner.next_entry;
                 inner.next_entry += 1;
@@ -252,7 +285,11 @@ impl SessionStore {
 }
 
 /// A copy of the rows an idle live session shares with `context`, where it shares more than `beat`.
-fn fork_idle_session<'a>(slots: impl Iterator<Item = &'a Slot>, context: &[u32], beat: usize) -> Option<Box<dyn ScoreSession>> {
+fn fork_idle_session<'a>(
+    slots: impl Iterator<Item = &'a Slot>,
+    context: &[u32],
+    beat: usize,
+) -> Option<Box<dyn ScoreSession>> {
     let mut best: Option<(usize, tokio::sync::MutexGuard<'a, Session>)> = None;
     for slot in slots {
         // Held by a call (locked, or about to be): its rows are changing.
@@ -290,7 +327,11 @@ mod tests {
     const BYTES_PER_TOKEN: usize = 1000;
 
     impl ScoreSession for Rows {
-        fn score(&mut self, tokens: &[u32], _n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        fn score(
+            &mut self,
+            tokens: &[u32],
+            _n_logits: usize,
+        ) -> Result<Vec<Vec<f32>>, EngineError> {
             self.tokens = tokens.to_vec();
             Ok(Vec::new())
         }
@@ -304,7 +345,10 @@ mod tests {
             self.tokens.len() * BYTES_PER_TOKEN
         }
         fn fork(&self, len: usize) -> Option<Box<dyn ScoreSession>> {
-            self.forks.then(|| Box::new(Rows { tokens: self.tokens[..len].to_vec(), forks: true }) as Box<dyn ScoreSession>)
+            self.forks.then(|| {
+                Box::new(Rows { tokens: self.tokens[..len].to_vec(), forks: true })
+                    as Box<dyn ScoreSession>
+            })
         }
     }
 
@@ -366,7 +410,8 @@ mod tests {
     #[test]
     fn a_scorer_that_cannot_copy_hands_over_the_entry_cut_short() {
         let store = SessionStore::new(usize::MAX, true);
-        let session = store.open(Some("a"), &turn(64), || Box::new(Rows { tokens: Vec::new(), forks: false }));
+        let session = store
+            .open(Some("a"), &turn(64), || Box::new(Rows { tokens: Vec::new(), forks: false }));
         session.try_lock().unwrap().score.score(&turn(64), 1).unwrap();
         drop(session);
         store.end("a").unwrap();
@@ -380,7 +425,9 @@ mod tests {
     fn the_budget_evicts_cache_entries_oldest_first_before_any_live_session() {
         // Room for 250 tokens' rows.
         let store = SessionStore::new(250 * BYTES_PER_TOKEN, true);
-        let conversation = |salt: u32, n: usize| -> Vec<u32> { (0..n as u32).map(|i| i + salt * 100_000).collect() };
+        let conversation = |salt: u32, n: usize| -> Vec<u32> {
+            (0..n as u32).map(|i| i + salt * 100_000).collect()
+        };
         for (i, salt) in [1u32, 2, 3].iter().enumerate() {
             let id = format!("s{i}");
             run(&store, &id, &conversation(*salt, 80));
@@ -392,7 +439,15 @@ mod tests {
         live.try_lock().unwrap().score.score(&conversation(9, 100), 1).unwrap();
         let bytes = live.try_lock().unwrap().bytes();
         assert_eq!(store.update_size("live", bytes), Evicted { sessions: 0, cache_entries: 2 });
-        let rows_for = |salt| store.open(None, &conversation(salt, 90), fresh).try_lock().unwrap().score.cached_tokens().len();
+        let rows_for = |salt| {
+            store
+                .open(None, &conversation(salt, 90), fresh)
+                .try_lock()
+                .unwrap()
+                .score
+                .cached_tokens()
+                .len()
+        };
         assert_eq!((rows_for(1), rows_for(2), rows_for(3)), (0, 0, 80));
         // A live session over the budget on its own stays; idle ones and the entry make room for it.
         drop(live);

@@ -53,14 +53,28 @@ impl Verifier {
             metrics: Arc::default(),
             pass_limits: config.pass_limits(),
             max_backlog_secs: config.max_backlog_secs,
-            limits: Limits { max_draft: config.max_draft, max_top_logprobs: MAX_TOP_LOGPROBS, max_session_id_len: MAX_SESSION_ID_LEN },
+            limits: Limits {
+                max_draft: config.max_draft,
+                max_top_logprobs: MAX_TOP_LOGPROBS,
+                max_session_id_len: MAX_SESSION_ID_LEN,
+            },
             http: config.server.http(),
         }
     }
 
     /// Serves `scorer` from now on, starting its scoring thread; `pass_times`: its blocks timed at start-up.
-    pub fn load_model(&self, scorer: Arc<dyn Scorer>, pass_times: PassTimes) -> std::io::Result<()> {
-        let batcher = Batcher::start(scorer.clone(), self.pass_limits, self.max_backlog_secs, self.metrics.clone(), pass_times)?;
+    pub fn load_model(
+        &self,
+        scorer: Arc<dyn Scorer>,
+        pass_times: PassTimes,
+    ) -> std::io::Result<()> {
+        let batcher = Batcher::start(
+            scorer.clone(),
+            self.pass_limits,
+            self.max_backlog_secs,
+            self.metrics.clone(),
+            pass_times,
+        )?;
         self.target_model.set(Arc::new(Target { scorer, batcher }));
         Ok(())
     }

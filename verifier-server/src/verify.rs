@@ -28,32 +28,59 @@ struct ValidVerify {
     top_logprobs: Option<usize>,
 }
 
-fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<ValidVerify, ApiError> {
-    req.sampling.validate().map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(Some("sampling")), code: None })?;
+fn validate(
+    req: VerifyRequest,
+    meta: &ModelMeta,
+    limits: &Limits,
+) -> Result<ValidVerify, ApiError> {
+    req.sampling.validate().map_err(|e| RequestError::Invalid {
+        message: e.to_string(),
+        param: e.param(Some("sampling")),
+        code: None,
+    })?;
     if let Some(penalties) = &req.penalties {
-        penalties.validate(meta.vocab_size).map_err(|e| RequestError::Invalid { message: e.to_string(), param: e.param(Some("penalties")), code: None })?;
+        penalties.validate(meta.vocab_size).map_err(|e| RequestError::Invalid {
+            message: e.to_string(),
+            param: e.param(Some("penalties")),
+            code: None,
+        })?;
     }
     if let Some(id) = &req.session_id {
         if id.is_empty() || id.len() > limits.max_session_id_len {
-            return Err(ApiError::invalid("session_id", format!("session_id must be 1 to {} bytes", limits.max_session_id_len)));
+            return Err(ApiError::invalid(
+                "session_id",
+                format!("session_id must be 1 to {} bytes", limits.max_session_id_len),
+            ));
         }
     }
     if req.context_start > 0 && req.session_id.is_none() {
         return Err(ApiError::invalid("context_start", "context_start > 0 needs a session_id"));
     }
     if req.draft.len() > limits.max_draft {
-        return Err(ApiError::invalid("draft", format!("{} draft tokens; at most {} per call", req.draft.len(), limits.max_draft)));
+        return Err(ApiError::invalid(
+            "draft",
+            format!("{} draft tokens; at most {} per call", req.draft.len(), limits.max_draft),
+        ));
     }
     if req.top_logprobs.is_some_and(|n| n > limits.max_top_logprobs) {
-        return Err(ApiError::invalid("top_logprobs", format!("top_logprobs must be between 0 and {}", limits.max_top_logprobs)));
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            format!("top_logprobs must be between 0 and {}", limits.max_top_logprobs),
+        ));
     }
     if let Some(&t) = req.context.iter().find(|&&t| t >= meta.vocab_size) {
-        return Err(ApiError::invalid("context", format!("token id {t} is outside the vocabulary of {} tokens", meta.vocab_size)));
+        return Err(ApiError::invalid(
+            "context",
+            format!("token id {t} is outside the vocabulary of {} tokens", meta.vocab_size),
+        ));
     }
     let total = req.context_start as usize + req.context.len() + req.draft.len();
     if total > meta.max_context as usize {
         return Err(RequestError::Invalid {
-            message: format!("context plus draft is {total} tokens; the model's maximum is {}", meta.max_context),
+            message: format!(
+                "context plus draft is {total} tokens; the model's maximum is {}",
+                meta.max_context
+            ),
             param: Some("context".into()),
             code: Some("context_length_exceeded"),
         }
@@ -64,20 +91,38 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
     }
     if let Some(grammar) = &req.grammar {
         if req.context_start > 0 {
-            return Err(ApiError::invalid("grammar", "a grammar comes with the full context (context_start 0); the session keeps it"));
+            return Err(ApiError::invalid(
+                "grammar",
+                "a grammar comes with the full context (context_start 0); the session keeps it",
+            ));
         }
         if grammar.start as usize > req.context.len() {
-            return Err(ApiError::invalid("grammar.start", format!("grammar.start {} is past the context's {} tokens", grammar.start, req.context.len())));
+            return Err(ApiError::invalid(
+                "grammar.start",
+                format!(
+                    "grammar.start {} is past the context's {} tokens",
+                    grammar.start,
+                    req.context.len()
+                ),
+            ));
         }
     }
     let mut drafts = Vec::with_capacity(req.draft.len());
     for (i, d) in req.draft.iter().enumerate() {
         if d.token >= meta.vocab_size {
-            return Err(ApiError::invalid(format!("draft[{i}].token"), format!("token id {} is outside the vocabulary", d.token)));
+            return Err(ApiError::invalid(
+                format!("draft[{i}].token"),
+                format!("token id {} is outside the vocabulary", d.token),
+            ));
         }
-        let draft = d.to_draft(meta.vocab_size).map_err(|e| ApiError::invalid(format!("draft[{i}].q"), e.to_string()))?;
+        let draft = d
+            .to_draft(meta.vocab_size)
+            .map_err(|e| ApiError::invalid(format!("draft[{i}].q"), e.to_string()))?;
         if draft.q.prob(draft.token) <= 0.0 {
-            return Err(ApiError::invalid(format!("draft[{i}].token"), format!("draft token {} has probability 0 under its own q", draft.token)));
+            return Err(ApiError::invalid(
+                format!("draft[{i}].token"),
+                format!("draft token {} has probability 0 under its own q", draft.token),
+            ));
         }
         drafts.push(draft);
     }
@@ -86,7 +131,10 @@ fn validate(req: VerifyRequest, meta: &ModelMeta, limits: &Limits) -> Result<Val
         context: req.context,
         context_start: req.context_start as usize,
         drafts,
-        rule: TargetRule { sampling: req.sampling, penalties: req.penalties.filter(|p| !p.is_noop()) },
+        rule: TargetRule {
+            sampling: req.sampling,
+            penalties: req.penalties.filter(|p| !p.is_noop()),
+        },
         grammar: req.grammar,
         seed: req.seed,
         top_logprobs: req.top_logprobs.map(usize::from),
@@ -104,8 +152,16 @@ impl<S: Send + Sync> FromRequest<S> for VerifyBody {
     type Rejection = RequestError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, RequestError> {
-        let names_binary = |headers: &header::HeaderMap, name| headers.get(name).and_then(|v| v.to_str().ok()).is_some_and(|v| v.contains(BINARY_CONTENT_TYPE));
-        let (binary, binary_reply) = (names_binary(req.headers(), header::CONTENT_TYPE), names_binary(req.headers(), header::ACCEPT));
+        let names_binary = |headers: &header::HeaderMap, name| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.contains(BINARY_CONTENT_TYPE))
+        };
+        let (binary, binary_reply) = (
+            names_binary(req.headers(), header::CONTENT_TYPE),
+            names_binary(req.headers(), header::ACCEPT),
+        );
         let request = if binary {
             let bytes = Bytes::from_request(req, state).await.map_err(|e| match e.status() {
                 StatusCode::PAYLOAD_TOO_LARGE => RequestError::TooLarge,
@@ -133,7 +189,9 @@ impl IntoResponse for VerifyReply {
     fn into_response(self) -> Response {
         match self {
             Self::Json(r) => Json(r).into_response(),
-            Self::Binary(bytes) => ([(header::CONTENT_TYPE, BINARY_CONTENT_TYPE)], bytes).into_response(),
+            Self::Binary(bytes) => {
+                ([(header::CONTENT_TYPE, BINARY_CONTENT_TYPE)], bytes).into_response()
+            }
         }
     }
 }
@@ -166,7 +224,10 @@ impl IntoResponse for VerifyReply {
     ),
     security(("bearer" = []))
 )]
-pub async fn verify(State(state): State<AppState>, body: VerifyBody) -> Result<VerifyReply, ApiError> {
+pub async fn verify(
+    State(state): State<AppState>,
+    body: VerifyBody,
+) -> Result<VerifyReply, ApiError> {
     let result = handle(&state, body.request).await;
     match &result {
         Err(ApiError::QueueFull(_)) => state.metrics.record_queue_full(),
@@ -174,7 +235,13 @@ pub async fn verify(State(state): State<AppState>, body: VerifyBody) -> Result<V
         Err(_) => state.metrics.record_error(),
         Ok(_) => {}
     }
-    result.map(|r| if body.binary_reply { VerifyReply::Binary(encode_response(&r)) } else { VerifyReply::Json(r) })
+    result.map(|r| {
+        if body.binary_reply {
+            VerifyReply::Binary(encode_response(&r))
+        } else {
+            VerifyReply::Json(r)
+        }
+    })
 }
 
 async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, ApiError> {
@@ -186,7 +253,9 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     // A delta needs an existing session; only a full context may create one, from the longest
     // prefix of it the prefix cache holds.
     let session = match &valid.session_id {
-        Some(id) if valid.context_start > 0 => state.sessions.get(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?,
+        Some(id) if valid.context_start > 0 => {
+            state.sessions.get(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?
+        }
         id => state.sessions.open(id.as_deref(), &valid.context, || target.scorer.new_session()),
     };
     let guard = session.lock_owned().await;
@@ -197,12 +266,27 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let mut context = guard.committed[..valid.context_start].to_vec();
     context.extend_from_slice(&valid.context);
 
-    let ValidVerify { drafts, rule, grammar, seed, top_logprobs, session_id, context_start, .. } = valid;
+    let ValidVerify {
+        drafts, rule, grammar, seed, top_logprobs, session_id, context_start, ..
+    } = valid;
     let drafted = drafts.len();
-    let tokens = Round { context: &context, drafts: &drafts, rule: &rule, grammar: None, seed, top_logprobs }.tokens()?;
-    let joining = target.batcher.admit(session_id.as_deref(), guard.score.as_ref(), &tokens, drafted + 1)?;
+    let tokens = Round {
+        context: &context,
+        drafts: &drafts,
+        rule: &rule,
+        grammar: None,
+        seed,
+        top_logprobs,
+    }
+    .tokens()?;
+    let joining =
+        target.batcher.admit(session_id.as_deref(), guard.score.as_ref(), &tokens, drafted + 1)?;
     // The context's leading rows the session already holds are not recomputed.
-    let cached_tokens = if context_start == 0 { (tokens.len() - guard.score.rows_to_score(&tokens, drafted + 1)).min(context.len()) } else { 0 };
+    let cached_tokens = if context_start == 0 {
+        (tokens.len() - guard.score.rows_to_score(&tokens, drafted + 1)).min(context.len())
+    } else {
+        0
+    };
     // The grammar is brought to the context before scoring, so a bad one costs no forward pass. A full
     // context starts the session over, with its grammar or none; only grammar work needs the blocking pool.
     let grammar = grammar.filter(|_| context_start == 0);
@@ -215,7 +299,11 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
         blocking(move || {
             let mut guard = guard;
             if let Some(g) = grammar {
-                let vocabulary = scorer.vocabulary().map_err(|e| EngineError::InvalidRequest(format!("grammars are not available with this model: {e}")))?;
+                let vocabulary = scorer.vocabulary().map_err(|e| {
+                    EngineError::InvalidRequest(format!(
+                        "grammars are not available with this model: {e}"
+                    ))
+                })?;
                 guard.grammar = Some(vocabulary.compile(&g.grammar)?.start_at(g.start as usize));
             }
             if let Some(state) = &mut guard.grammar {
@@ -231,8 +319,17 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     let logits = logits?;
     let (mut guard, round) = blocking(move || {
         let mut guard = guard;
-        let block = ScoredBlock { logits, text_tokens: guard.score.text_tokens(), forward_time: forward };
-        let round = Round { context: &context, drafts: &drafts, rule: &rule, grammar: guard.grammar.as_mut(), seed, top_logprobs }.judge(block);
+        let block =
+            ScoredBlock { logits, text_tokens: guard.score.text_tokens(), forward_time: forward };
+        let round = Round {
+            context: &context,
+            drafts: &drafts,
+            rule: &rule,
+            grammar: guard.grammar.as_mut(),
+            seed,
+            top_logprobs,
+        }
+        .judge(block);
         Ok((guard, round.map(|r| (context, r))))
     })
     .await?;
@@ -253,8 +350,19 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     if context_start == 0 {
         state.metrics.record_prompt(cached_tokens, context_len - cached_tokens);
     }
-    state.metrics.record_verify(drafted, round.outcome.accepted, round.committed.len(), round.forward_time, queued);
-    tracing::debug!(drafted, accepted = round.outcome.accepted, forward_ms = round.forward_time.as_secs_f64() * 1e3, "verified");
+    state.metrics.record_verify(
+        drafted,
+        round.outcome.accepted,
+        round.committed.len(),
+        round.forward_time,
+        queued,
+    );
+    tracing::debug!(
+        drafted,
+        accepted = round.outcome.accepted,
+        forward_ms = round.forward_time.as_secs_f64() * 1e3,
+        "verified"
+    );
 
     Ok(VerifyResponse {
         accepted: round.outcome.accepted as u32,
@@ -264,13 +372,20 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
         session_len,
         cached_tokens: cached_tokens as u32,
         logprobs: top_logprobs.map(|_| round.logprobs),
-        timing: VerifyTiming { queue_ms: queued.as_secs_f64() * 1e3, forward_ms: round.forward_time.as_secs_f64() * 1e3 },
+        timing: VerifyTiming {
+            queue_ms: queued.as_secs_f64() * 1e3,
+            forward_ms: round.forward_time.as_secs_f64() * 1e3,
+        },
     })
 }
 
 /// Runs CPU work (grammar compilation, the rule over 150k-entry rows) off the async threads.
-async fn blocking<T: Send + 'static>(work: impl FnOnce() -> Result<T, EngineError> + Send + 'static) -> Result<T, ApiError> {
-    let result = tokio::task::spawn_blocking(work).await.map_err(|e| ApiError::Internal(format!("scoring task failed: {e}")))?;
+async fn blocking<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, EngineError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let result = tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::Internal(format!("scoring task failed: {e}")))?;
     Ok(result?)
 }
 
@@ -288,7 +403,10 @@ async fn blocking<T: Send + 'static>(work: impl FnOnce() -> Result<T, EngineErro
     ),
     security(("bearer" = []))
 )]
-pub async fn end_session(State(state): State<AppState>, Path(id): Path<String>) -> Result<StatusCode, ApiError> {
+pub async fn end_session(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
     let evicted = state.sessions.end(&id).ok_or(RequestError::NotFound)?;
     state.metrics.record_evictions(evicted);
     Ok(StatusCode::NO_CONTENT)

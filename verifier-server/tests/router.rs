@@ -26,7 +26,8 @@ fn scorer() -> FakeScorer {
         let next = next_of(*tokens.last().unwrap());
         (0..VOCAB).map(|j| -((j as f32 - next as f32).abs())).collect()
     });
-    scorer.delay = |tokens| if tokens[0] == SLOW_TOKEN { Duration::from_millis(300) } else { Duration::ZERO };
+    scorer.delay =
+        |tokens| if tokens[0] == SLOW_TOKEN { Duration::from_millis(300) } else { Duration::ZERO };
     scorer
 }
 
@@ -40,19 +41,28 @@ fn state(extra: &[&str], ready: bool) -> Arc<Verifier> {
     verifier
 }
 
-async fn call(state: &Arc<Verifier>, method: &str, path: &str, key: Option<&str>, body: Option<String>) -> (StatusCode, Value, axum::http::HeaderMap) {
+async fn call(
+    state: &Arc<Verifier>,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<String>,
+) -> (StatusCode, Value, axum::http::HeaderMap) {
     let mut req = Request::builder().method(method).uri(path);
     if let Some(k) = key {
         req = req.header(header::AUTHORIZATION, format!("Bearer {k}"));
     }
     let req = match body {
-        Some(b) => req.header(header::CONTENT_TYPE, "application/json").body(Body::from(b)).unwrap(),
+        Some(b) => {
+            req.header(header::CONTENT_TYPE, "application/json").body(Body::from(b)).unwrap()
+        }
         None => req.body(Body::empty()).unwrap(),
     };
     let resp = router(state.clone()).oneshot(req).await.unwrap();
     let (status, headers) = (resp.status(), resp.headers().clone());
     let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap();
-    let value = serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    let value = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
     (status, value, headers)
 }
 
@@ -95,12 +105,18 @@ async fn greedy_block_is_judged_and_repeatable() {
     let body = greedy(&[3, 1], &[8, 25, 5]);
     let (s, v) = verify(&st, body.clone()).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(2), Some(16), Some("correction")));
+    assert_eq!(
+        (v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()),
+        (Some(2), Some(16), Some("correction"))
+    );
     assert_eq!(v["session_len"], 5);
     assert_eq!(verify(&st, body).await.1["next_token"], v["next_token"]);
     // All accepted: bonus.
     let (_, v) = verify(&st, greedy(&[1], &[8, 25])).await;
-    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(2), Some(16), Some("bonus")));
+    assert_eq!(
+        (v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()),
+        (Some(2), Some(16), Some("bonus"))
+    );
     // Logprobs come from the target and name the committed tokens.
     let mut body = greedy(&[1], &[8]);
     body["top_logprobs"] = json!(2);
@@ -122,16 +138,26 @@ async fn penalties_count_earlier_drafts_as_target_only_decoding_counts_committed
     block["penalties"] = penalties.clone();
     let (s, v) = verify(&st, block).await;
     assert_eq!(s, StatusCode::OK, "{v}");
-    assert_eq!((v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()), (Some(8), Some(2), Some("bonus")));
+    assert_eq!(
+        (v["accepted"].as_u64(), v["next_token"].as_u64(), v["next_kind"].as_str()),
+        (Some(8), Some(2), Some("bonus"))
+    );
     let mut one_by_one = greedy(&[[0].as_slice(), &cycle].concat(), &[]);
     one_by_one["penalties"] = penalties;
     assert_eq!(verify(&st, one_by_one).await.1["next_token"], 2);
-    assert_eq!(verify(&st, greedy(&[0], &cycle)).await.1["next_token"], 1, "without penalties the cycle goes on");
+    assert_eq!(
+        verify(&st, greedy(&[0], &cycle)).await.1["next_token"],
+        1,
+        "without penalties the cycle goes on"
+    );
     // A bias moves the argmax; ids outside the vocabulary and bad values are named.
     let mut biased = greedy(&[3, 1], &[]);
     biased["penalties"] = json!({"logit_bias": {"9": 1.5}});
     assert_eq!(verify(&st, biased).await.1["next_token"], 9);
-    for (penalties, param) in [(json!({"logit_bias": {"32": 1}}), "penalties.logit_bias"), (json!({"frequency_penalty": 9}), "penalties.frequency_penalty")] {
+    for (penalties, param) in [
+        (json!({"logit_bias": {"32": 1}}), "penalties.logit_bias"),
+        (json!({"frequency_penalty": 9}), "penalties.frequency_penalty"),
+    ] {
         let mut body = greedy(&[1], &[]);
         body["penalties"] = penalties;
         let (s, v) = verify(&st, body).await;
@@ -145,9 +171,15 @@ async fn the_binary_form_gets_the_same_verdict_in_fewer_bytes() {
     let st = state(&[], true);
     let json_body = greedy(&[3, 1], &[8, 25, 5]);
     let (_, json_answer) = verify(&st, json_body.clone()).await;
-    let request: spade_core::protocol::VerifyRequest = serde_json::from_value(json_body.clone()).unwrap();
+    let request: spade_core::protocol::VerifyRequest =
+        serde_json::from_value(json_body.clone()).unwrap();
     let bytes = spade_core::wire::encode_request(&request);
-    assert!(bytes.len() * 4 < json_body.to_string().len(), "{} binary bytes vs {} JSON", bytes.len(), json_body.to_string().len());
+    assert!(
+        bytes.len() * 4 < json_body.to_string().len(),
+        "{} binary bytes vs {} JSON",
+        bytes.len(),
+        json_body.to_string().len()
+    );
     let post = |body: Vec<u8>, accept: &'static str| {
         let st = st.clone();
         async move {
@@ -158,12 +190,18 @@ async fn the_binary_form_gets_the_same_verdict_in_fewer_bytes() {
                 .body(Body::from(body))
                 .unwrap();
             let response = router(st).oneshot(req).await.unwrap();
-            let (status, kind) = (response.status(), response.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()));
+            let (status, kind) = (
+                response.status(),
+                response.headers().get("content-type").map(|v| v.to_str().unwrap().to_string()),
+            );
             (status, kind, axum::body::to_bytes(response.into_body(), usize::MAX).await.unwrap())
         }
     };
     let (status, kind, body) = post(bytes.clone(), spade_core::wire::BINARY_CONTENT_TYPE).await;
-    assert_eq!((status, kind.as_deref()), (StatusCode::OK, Some(spade_core::wire::BINARY_CONTENT_TYPE)));
+    assert_eq!(
+        (status, kind.as_deref()),
+        (StatusCode::OK, Some(spade_core::wire::BINARY_CONTENT_TYPE))
+    );
     let answer = spade_core::wire::decode_response(&body).unwrap();
     assert_eq!((answer.accepted, answer.next_token), (2, 16));
     assert_eq!(json!(answer.accepted), json_answer["accepted"]);
@@ -174,7 +212,12 @@ async fn the_binary_form_gets_the_same_verdict_in_fewer_bytes() {
     // A broken binary body is an OpenAI-shaped 400.
     let (status, _, body) = post(vec![1, 0, 5], spade_core::wire::BINARY_CONTENT_TYPE).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert_error(&serde_json::from_slice(&body).unwrap(), "invalid_request_error", None, Some("invalid_binary"));
+    assert_error(
+        &serde_json::from_slice(&body).unwrap(),
+        "invalid_request_error",
+        None,
+        Some("invalid_binary"),
+    );
 }
 
 #[tokio::test]
@@ -190,7 +233,10 @@ async fn sampled_calls_are_deterministic_per_seed() {
     assert_eq!(first.0, StatusCode::OK, "{}", first.1);
     for _ in 0..5 {
         let again = verify(&st, body.clone()).await.1;
-        assert_eq!((&again["accepted"], &again["next_token"]), (&first.1["accepted"], &first.1["next_token"]));
+        assert_eq!(
+            (&again["accepted"], &again["next_token"]),
+            (&first.1["accepted"], &first.1["next_token"])
+        );
     }
 }
 
@@ -213,12 +259,30 @@ async fn malformed_bodies_are_400_in_openai_shape() {
 async fn invalid_fields_name_their_param() {
     let st = state(&[], true);
     let cases = [
-        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [3, 0.4]]}], "sampling": {}}), "draft[0].q"),
-        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, -0.5], [3, 1.5]]}], "sampling": {}}), "draft[0].q"),
-        (json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [2, 0.5]]}], "sampling": {}}), "draft[0].q"),
-        (json!({"context": [1], "draft": [{"token": 2, "q": [[3, 1.0]]}], "sampling": {}}), "draft[0].token"),
-        (json!({"context": [1], "draft": [{"token": 99, "q": [[99, 1.0]]}], "sampling": {}}), "draft[0].token"),
-        (json!({"context": [1], "draft": [{"token": 2, "q": [[40, 1.0]]}], "sampling": {}}), "draft[0].q"),
+        (
+            json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [3, 0.4]]}], "sampling": {}}),
+            "draft[0].q",
+        ),
+        (
+            json!({"context": [1], "draft": [{"token": 2, "q": [[2, -0.5], [3, 1.5]]}], "sampling": {}}),
+            "draft[0].q",
+        ),
+        (
+            json!({"context": [1], "draft": [{"token": 2, "q": [[2, 0.5], [2, 0.5]]}], "sampling": {}}),
+            "draft[0].q",
+        ),
+        (
+            json!({"context": [1], "draft": [{"token": 2, "q": [[3, 1.0]]}], "sampling": {}}),
+            "draft[0].token",
+        ),
+        (
+            json!({"context": [1], "draft": [{"token": 99, "q": [[99, 1.0]]}], "sampling": {}}),
+            "draft[0].token",
+        ),
+        (
+            json!({"context": [1], "draft": [{"token": 2, "q": [[40, 1.0]]}], "sampling": {}}),
+            "draft[0].q",
+        ),
         (json!({"context": [1, 32], "sampling": {}}), "context"),
         (json!({"context": [], "sampling": {}}), "context"),
         (json!({"context": [1], "sampling": {"temperature": 3.0}}), "sampling.temperature"),
@@ -242,7 +306,8 @@ async fn invalid_fields_name_their_param() {
 async fn authentication_is_required_except_for_health() {
     let st = state(&[], true);
     for key in [None, Some("wrong"), Some("sekre"), Some("sekret2")] {
-        let (s, v, _) = call(&st, "POST", "/verify", key, Some(greedy(&[1], &[]).to_string())).await;
+        let (s, v, _) =
+            call(&st, "POST", "/verify", key, Some(greedy(&[1], &[]).to_string())).await;
         assert_eq!(s, StatusCode::UNAUTHORIZED, "{key:?}");
         assert_error(&v, "authentication_error", None, Some("invalid_api_key"));
         assert_eq!(call(&st, "GET", "/v1/info", key, None).await.0, StatusCode::UNAUTHORIZED);
@@ -252,9 +317,19 @@ async fn authentication_is_required_except_for_health() {
     let (s, v, _) = call(&st, "GET", "/v1/info", Some("sekret"), None).await;
     assert_eq!((s, v["vocab_size"].as_u64()), (StatusCode::OK, Some(VOCAB as u64)));
     // The limits a gateway must respect, so it can check its settings before it is ready.
-    assert_eq!((v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()), (Some(32), Some(20), Some(64)));
+    assert_eq!(
+        (v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()),
+        (Some(32), Some(20), Some(64))
+    );
     assert_eq!(v["features"], json!(["penalties", "grammar", "binary", "prefix_cache"]));
-    let (_, v, _) = call(&state(&["--max-draft", "2", "--prefix-cache", "false"], true), "GET", "/v1/info", Some("sekret"), None).await;
+    let (_, v, _) = call(
+        &state(&["--max-draft", "2", "--prefix-cache", "false"], true),
+        "GET",
+        "/v1/info",
+        Some("sekret"),
+        None,
+    )
+    .await;
     assert_eq!(v["max_draft"].as_u64(), Some(2));
     assert_eq!(v["features"], json!(["penalties", "grammar", "binary"]));
 }
@@ -290,7 +365,10 @@ async fn sessions_append_and_ask_for_a_resend_when_lost() {
     rollback["session_id"] = json!("s1");
     rollback["context_start"] = json!(1);
     let (_, v) = verify(&st, rollback).await;
-    assert_eq!((v["next_token"].as_u64(), v["session_len"].as_u64()), (Some(next_of(2) as u64), Some(3)));
+    assert_eq!(
+        (v["next_token"].as_u64(), v["session_len"].as_u64()),
+        (Some(next_of(2) as u64), Some(3))
+    );
 }
 
 #[tokio::test]
@@ -330,7 +408,8 @@ async fn a_full_queue_answers_429_with_retry_after() {
         tokio::spawn(async move { verify(&st, greedy(&[SLOW_TOKEN], &[])).await })
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let (s, v, headers) = call(&st, "POST", "/verify", Some("sekret"), Some(greedy(&[1], &[]).to_string())).await;
+    let (s, v, headers) =
+        call(&st, "POST", "/verify", Some("sekret"), Some(greedy(&[1], &[]).to_string())).await;
     assert_eq!(s, StatusCode::TOO_MANY_REQUESTS);
     assert_error(&v, "rate_limit_error", None, Some("queue_full"));
     assert!(headers.get(header::RETRY_AFTER).is_some());
@@ -350,7 +429,11 @@ async fn calls_arriving_during_a_pass_share_the_next_one() {
     };
     tokio::time::sleep(Duration::from_millis(100)).await;
     let bodies: Vec<Value> = (1..4).map(|t| greedy(&[t, t + 1], &[next_of(t + 1), 5])).collect();
-    let calls: Vec<_> = bodies.iter().map(|b| (st.clone(), b.clone())).map(|(st, b)| tokio::spawn(async move { verify(&st, b).await })).collect();
+    let calls: Vec<_> = bodies
+        .iter()
+        .map(|b| (st.clone(), b.clone()))
+        .map(|(st, b)| tokio::spawn(async move { verify(&st, b).await }))
+        .collect();
     let mut batched = Vec::new();
     for call in calls {
         batched.push(call.await.unwrap());
@@ -365,7 +448,11 @@ async fn calls_arriving_during_a_pass_share_the_next_one() {
     }
     let (_, text, _) = call(&st, "GET", "/metrics", Some("sekret"), None).await;
     let text = text.as_str().unwrap();
-    assert!(text.contains("spade_verify_passes_total 2") && text.contains("spade_verify_pass_sessions_total 4"), "{text}");
+    assert!(
+        text.contains("spade_verify_passes_total 2")
+            && text.contains("spade_verify_pass_sessions_total 4"),
+        "{text}"
+    );
 }
 
 #[tokio::test]

@@ -60,10 +60,13 @@ impl Conversation {
         }
         let mut names = Vec::new();
         for (i, tool) in conversation.tools.iter().enumerate() {
-            let name = tool.pointer("/function/name").and_then(Value::as_str).filter(|n| !n.is_empty());
+            let name =
+                tool.pointer("/function/name").and_then(Value::as_str).filter(|n| !n.is_empty());
             match name {
                 Some(n) if tool["type"] == "function" && !names.contains(&n) => names.push(n),
-                _ => return Err(format!("tools[{i}] needs type \"function\" and a name of its own")),
+                _ => {
+                    return Err(format!("tools[{i}] needs type \"function\" and a name of its own"))
+                }
             }
         }
         Ok(conversation)
@@ -72,7 +75,8 @@ impl Conversation {
     /// The messages of the turn after `answers` (turn `answers.len() + 1`): the system prompt, each
     /// earlier user message with its answer, and the next user message. Panics past the last turn.
     pub fn messages_after(&self, answers: &[String]) -> Vec<Message> {
-        let message = |role: &str, content: &str| Message { role: role.into(), content: content.into() };
+        let message =
+            |role: &str, content: &str| Message { role: role.into(), content: content.into() };
         let mut out = vec![message("system", &self.system)];
         for (user, answer) in self.turns.iter().zip(answers) {
             out.push(message("user", user));
@@ -102,10 +106,19 @@ impl Conversation {
     /// Rough prompt tokens of turn `turn` (0-based) when every earlier answer is `answer_tokens`
     /// long: for the plan, before any model is loaded.
     pub fn approx_prompt_tokens(&self, turn: usize, answer_tokens: u32) -> u64 {
-        let tools = if self.tools.is_empty() { 0 } else { TOOL_TEMPLATE_TOKENS + tokens_of(&serde_json::to_string(&self.tools).unwrap_or_default()) };
+        let tools = if self.tools.is_empty() {
+            0
+        } else {
+            TOOL_TEMPLATE_TOKENS
+                + tokens_of(&serde_json::to_string(&self.tools).unwrap_or_default())
+        };
         let users: u64 = self.turns[..=turn].iter().map(|t| tokens_of(t)).sum();
         let messages = 2 * turn as u64 + 2;
-        tools + tokens_of(&self.system) + users + turn as u64 * u64::from(answer_tokens) + messages * MESSAGE_TEMPLATE_TOKENS
+        tools
+            + tokens_of(&self.system)
+            + users
+            + turn as u64 * u64::from(answer_tokens)
+            + messages * MESSAGE_TEMPLATE_TOKENS
     }
 }
 
@@ -125,9 +138,13 @@ mod tests {
     fn the_committed_scenario_is_an_agent_session() {
         let c = Conversation::built_in();
         assert!(c.turns.len() >= 8, "at least 8 user turns");
-        let names: Vec<&str> = c.tools.iter().filter_map(|t| t.pointer("/function/name")?.as_str()).collect();
+        let names: Vec<&str> =
+            c.tools.iter().filter_map(|t| t.pointer("/function/name")?.as_str()).collect();
         assert_eq!(names, ["read_file", "write_file", "run_tests"]);
-        assert!(c.tools.iter().all(|t| t.pointer("/function/parameters/type") == Some(&json!("object"))));
+        assert!(c
+            .tools
+            .iter()
+            .all(|t| t.pointer("/function/parameters/type") == Some(&json!("object"))));
         // The first turn pastes a ~60-line module.
         let code_lines = c.turns[0].lines().count();
         assert!((55..=90).contains(&code_lines), "{code_lines} lines");
@@ -143,14 +160,25 @@ mod tests {
             let messages = c.messages_after(&answers(turn)[..]);
             assert_eq!(messages.len(), 2 * turn + 2);
             assert_eq!(messages[0].role, "system");
-            assert_eq!(messages.last().map(|m| (m.role.as_str(), m.content.as_str())), Some(("user", c.turns[turn].as_str())));
+            assert_eq!(
+                messages.last().map(|m| (m.role.as_str(), m.content.as_str())),
+                Some(("user", c.turns[turn].as_str()))
+            );
             if turn > 0 {
                 // The previous request, then its answer, then the new user message: nothing else changes.
                 assert_eq!(messages[..previous.len()], previous[..]);
-                assert_eq!((messages[previous.len()].role.as_str(), messages[previous.len()].content.clone()), ("assistant", format!("answer {turn}")));
+                assert_eq!(
+                    (
+                        messages[previous.len()].role.as_str(),
+                        messages[previous.len()].content.clone()
+                    ),
+                    ("assistant", format!("answer {turn}"))
+                );
             }
             let roles: Vec<&str> = messages[1..].iter().map(|m| m.role.as_str()).collect();
-            assert!(roles.chunks(2).all(|pair| pair[0] == "user" && pair.get(1).is_none_or(|r| *r == "assistant")));
+            assert!(roles
+                .chunks(2)
+                .all(|pair| pair[0] == "user" && pair.get(1).is_none_or(|r| *r == "assistant")));
             previous = messages;
         }
     }

@@ -4,7 +4,9 @@
 use std::fmt::Write;
 
 use super::conversation::Conversation;
-use super::{checks, same_answers, totals, turns_of, versus_target_only, AgentMode, AgentPlan, TurnRecord};
+use super::{
+    checks, same_answers, totals, turns_of, versus_target_only, AgentMode, AgentPlan, TurnRecord,
+};
 use crate::machine::Machine;
 
 /// What the report states besides the records.
@@ -47,9 +49,13 @@ pub fn render(ctx: &ReportContext, records: &[TurnRecord]) -> String {
     let plan = ctx.plan;
     let mut md = String::from("# SPADE multi-turn agent benchmark\n\n");
     if let Some(e) = ctx.error {
-        let _ = writeln!(md, "**This run did not finish: {e}. The figures cover what was measured before.**\n");
+        let _ = writeln!(
+            md,
+            "**This run did not finish: {e}. The figures cover what was measured before.**\n"
+        );
     }
-    let modes: Vec<String> = plan.modes.iter().map(|m| format!("`{m}` ({})", describe(*m))).collect();
+    let modes: Vec<String> =
+        plan.modes.iter().map(|m| format!("`{m}` ({})", describe(*m))).collect();
     let _ = writeln!(
         md,
         "Conversation `{}`: {} of its {} user turns, up to {} tokens per answer, greedy, streamed. Every turn resends the whole \
@@ -65,14 +71,26 @@ pub fn render(ctx: &ReportContext, records: &[TurnRecord]) -> String {
     );
 
     md.push_str("## Goals\n\n");
-    md.push_str(&header(&["check".into(), "RTT ms".into(), "measured".into(), "goal".into(), "result".into()]));
+    md.push_str(&header(&[
+        "check".into(),
+        "RTT ms".into(),
+        "measured".into(),
+        "goal".into(),
+        "result".into(),
+    ]));
     for c in checks(records, plan) {
         let result = match c.pass {
             Some(true) => "met".to_string(),
             Some(false) => "**not met**".to_string(),
             None => "—".to_string(),
         };
-        md.push_str(&row(&[c.name.into(), c.rtt_ms.to_string(), c.measured, c.goal.into(), result]));
+        md.push_str(&row(&[
+            c.name.into(),
+            c.rtt_ms.to_string(),
+            c.measured,
+            c.goal.into(),
+            result,
+        ]));
     }
     md.push_str("\n`cached` is `usage.prompt_tokens_details.cached_tokens` (prompt tokens the target did not recompute), as the gateway reports it.\n");
 
@@ -86,11 +104,16 @@ pub fn render(ctx: &ReportContext, records: &[TurnRecord]) -> String {
     md.push_str("\n## Setup\n\n");
     let _ = writeln!(md, "- models: draft `{}`, target `{}`", ctx.draft_model, ctx.target_model);
     let m = ctx.machine;
-    let _ = writeln!(md, "- machine: {} CPUs, {}, {:.1} GiB, kernel {}", m.cpus, m.cpu_model, m.memory_gib, m.kernel);
+    let _ = writeln!(
+        md,
+        "- machine: {} CPUs, {}, {:.1} GiB, kernel {}",
+        m.cpus, m.cpu_model, m.memory_gib, m.kernel
+    );
     for line in ctx.setup {
         let _ = writeln!(md, "- {line}");
     }
-    let _ = writeln!(md, "- source: {}; run {} UTC, {:.1} min", ctx.git, ctx.stamp, ctx.wall_s / 60.0);
+    let _ =
+        writeln!(md, "- source: {}; run {} UTC, {:.1} min", ctx.git, ctx.stamp, ctx.wall_s / 60.0);
     let _ = writeln!(md, "- command: `{}`", ctx.command);
     md
 }
@@ -99,7 +122,9 @@ pub fn render(ctx: &ReportContext, records: &[TurnRecord]) -> String {
 fn describe(mode: AgentMode) -> &'static str {
     match mode {
         AgentMode::Speculative => "gateway `--draft-len auto`, verifier prefix cache on",
-        AgentMode::TargetOnly => "gateway `--draft-len 0`, verifier `--prefix-cache false`: today's behaviour",
+        AgentMode::TargetOnly => {
+            "gateway `--draft-len 0`, verifier `--prefix-cache false`: today's behaviour"
+        }
         AgentMode::TargetOnlyCached => "gateway `--draft-len 0`, verifier prefix cache on",
     }
 }
@@ -114,12 +139,19 @@ fn turn_table(records: &[TurnRecord], plan: &AgentPlan, rtt_ms: u64) -> String {
         if m.drafts() {
             names.push(format!("{l} draft computed"));
         }
-        names.extend([format!("{l} TTFT s"), format!("{l} total s"), format!("{l} verifier CPU s"), format!("{l} verifier computed")]);
+        names.extend([
+            format!("{l} TTFT s"),
+            format!("{l} total s"),
+            format!("{l} verifier CPU s"),
+            format!("{l} verifier computed"),
+        ]);
     }
-    let others: Vec<AgentMode> = plan.modes.iter().copied().filter(|&m| m != AgentMode::TargetOnly).collect();
+    let others: Vec<AgentMode> =
+        plan.modes.iter().copied().filter(|&m| m != AgentMode::TargetOnly).collect();
     names.extend(others.iter().map(|m| format!("{} = target", m.label())));
     let mut out = header(&names);
-    let sames: Vec<Vec<(usize, Option<bool>)>> = others.iter().map(|&m| same_answers(records, rtt_ms, m)).collect();
+    let sames: Vec<Vec<(usize, Option<bool>)>> =
+        others.iter().map(|&m| same_answers(records, rtt_ms, m)).collect();
     for turn in 1..=plan.turns {
         let mut cells = vec![turn.to_string()];
         for &m in &plan.modes {
@@ -134,7 +166,12 @@ fn turn_table(records: &[TurnRecord], plan: &AgentPlan, rtt_ms: u64) -> String {
                 cells.push(or_dash(r.draft_computed.map(|c| format!("{c:.0}"))));
             }
             let computed = r.verifier_prompt_computed.map(|c| format!("{c:.0}"));
-            cells.extend([format!("{:.2}", r.ttft_s), format!("{:.2}", r.total_s), format!("{:.2}", r.verifier_cpu_s), or_dash(computed)]);
+            cells.extend([
+                format!("{:.2}", r.ttft_s),
+                format!("{:.2}", r.total_s),
+                format!("{:.2}", r.verifier_cpu_s),
+                or_dash(computed),
+            ]);
         }
         for same in &sames {
             let cell = match same.iter().find(|(t, _)| *t == turn).and_then(|(_, s)| *s) {
@@ -218,8 +255,18 @@ mod tests {
 
     fn render_with(records: &[TurnRecord], error: Option<&str>) -> String {
         let conversation = Conversation::built_in();
-        let plan = AgentPlan { modes: vec![AgentMode::Speculative, AgentMode::TargetOnly], rtts_ms: vec![50], turns: 2, max_tokens: 48 };
-        let machine = Machine { cpus: 2, cpu_model: "Test CPU".into(), memory_gib: 8.0, kernel: "6.1".into() };
+        let plan = AgentPlan {
+            modes: vec![AgentMode::Speculative, AgentMode::TargetOnly],
+            rtts_ms: vec![50],
+            turns: 2,
+            max_tokens: 48,
+        };
+        let machine = Machine {
+            cpus: 2,
+            cpu_model: "Test CPU".into(),
+            memory_gib: 8.0,
+            kernel: "6.1".into(),
+        };
         let setup = ["verifiers: CPUs 0".to_string()];
         let ctx = ReportContext {
             stamp: "20270101T000000Z",
@@ -240,18 +287,38 @@ mod tests {
     #[test]
     fn renders_goals_turns_and_totals() {
         use AgentMode::*;
-        let records = [record(Speculative, 1, "a"), record(TargetOnly, 1, "a"), record(Speculative, 2, "b"), record(TargetOnly, 2, "b")];
+        let records = [
+            record(Speculative, 1, "a"),
+            record(TargetOnly, 1, "a"),
+            record(Speculative, 2, "b"),
+            record(TargetOnly, 2, "b"),
+        ];
         let md = render_with(&records, None);
         assert!(md.starts_with("# SPADE multi-turn agent benchmark\n\nConversation `shopkeeper-inventory`: 2 of its"), "{md}");
         assert!(md.contains("| cached_tokens from turn 2 on | 50 | lowest 95.0% | >= 90% of prompt tokens | met |"), "{md}");
-        assert!(md.contains("| whole conversation, target-only time / speculative | 50 | 6.25x | >= 3x | met |"), "{md}");
+        assert!(
+            md.contains(
+                "| whole conversation, target-only time / speculative | 50 | 6.25x | >= 3x | met |"
+            ),
+            "{md}"
+        );
         // Header: turn, spec's 7 columns, target's 6, one identity column.
-        assert!(md.contains("| turn | spec prompt | spec cached | spec draft computed | spec TTFT s |"));
+        assert!(
+            md.contains("| turn | spec prompt | spec cached | spec draft computed | spec TTFT s |")
+        );
         assert!(md.contains("| target verifier computed | spec = target |\n|---|"));
         assert!(md.contains("| 2 | 2000 | 1900 | 0 | 2.00 | 6.00 | 3.00 | — | 2000 | 0 | 40.00 | 50.00 | 48.00 | — | yes |"), "{md}");
-        assert!(md.contains("| speculative | 2 | 12.0 | 6.0 | 3000 | 1900 | — | 96 | 6.25x | 0.083 |"), "{md}");
-        assert!(md.contains("| target-only | 2 | 75.0 | 72.0 | 3000 | 0 | — | 96 | 1.00x | 1.000 |"), "{md}");
-        assert!(md.contains("the conversation took target-only's time / 6.25, and 0.083x its verifier CPU-seconds"));
+        assert!(
+            md.contains("| speculative | 2 | 12.0 | 6.0 | 3000 | 1900 | — | 96 | 6.25x | 0.083 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| target-only | 2 | 75.0 | 72.0 | 3000 | 0 | — | 96 | 1.00x | 1.000 |"),
+            "{md}"
+        );
+        assert!(md.contains(
+            "the conversation took target-only's time / 6.25, and 0.083x its verifier CPU-seconds"
+        ));
         assert!(md.contains("- command: `spade-agent-bench --turns 2`"));
         assert!(!md.contains("did not finish") && !md.contains("**no**"));
     }
@@ -259,7 +326,8 @@ mod tests {
     #[test]
     fn marks_differences_missing_turns_and_failures() {
         use AgentMode::*;
-        let records = [record(Speculative, 1, "a"), record(TargetOnly, 1, "x"), record(TargetOnly, 2, "b")];
+        let records =
+            [record(Speculative, 1, "a"), record(TargetOnly, 1, "x"), record(TargetOnly, 2, "b")];
         let md = render_with(&records, Some("interrupted"));
         assert!(md.contains("**This run did not finish: interrupted."));
         assert!(md.contains("| 1 | 1000 | 0 | 0 | 2.00 |"), "{md}");

@@ -73,9 +73,21 @@ pub struct AgentRun<'a> {
 }
 
 impl<'a> AgentRun<'a> {
-    pub fn new(setup: &'a Setup, conversation: &'a Conversation, plan: &'a AgentPlan) -> anyhow::Result<Self> {
+    pub fn new(
+        setup: &'a Setup,
+        conversation: &'a Conversation,
+        plan: &'a AgentPlan,
+    ) -> anyhow::Result<Self> {
         let client = reqwest::Client::builder().timeout(TURN_TIMEOUT).build()?;
-        Ok(Self { setup, conversation, plan, client, records: Vec::new(), placement: Vec::new(), started: Instant::now() })
+        Ok(Self {
+            setup,
+            conversation,
+            plan,
+            client,
+            records: Vec::new(),
+            placement: Vec::new(),
+            started: Instant::now(),
+        })
     }
 
     /// Every RTT in turn: start the modes' stacks, play the conversation, stop them.
@@ -103,46 +115,114 @@ impl<'a> AgentRun<'a> {
         let pinned = setup.pinning.is_some();
         let threads_env = [("RAYON_NUM_THREADS", "1")];
         let port = free_port()?;
-        let mut args: Vec<String> = ["--model", &setup.target_model, "--port", &port.to_string(), "--api-key", VERIFIER_KEY].map(String::from).to_vec();
-        args.extend(["--prefix-cache".into(), mode.prefix_cache().to_string(), "--max-backlog-secs".into(), "0".into()]);
+        let mut args: Vec<String> = [
+            "--model",
+            &setup.target_model,
+            "--port",
+            &port.to_string(),
+            "--api-key",
+            VERIFIER_KEY,
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend([
+            "--prefix-cache".into(),
+            mode.prefix_cache().to_string(),
+            "--max-backlog-secs".into(),
+            "0".into(),
+        ]);
         if pinned {
             args.extend(["--threads".into(), "1".into()]);
         }
         let slug = format!("{mode}-rtt{rtt_ms}");
-        let (program, args) = wrap(setup.pinning.as_ref().map(|p| p.verifier_cpu), setup, setup.bin_dir.join("spade-verifier"), args);
+        let (program, args) = wrap(
+            setup.pinning.as_ref().map(|p| p.verifier_cpu),
+            setup,
+            setup.bin_dir.join("spade-verifier"),
+            args,
+        );
         let env: &[(&str, &str)] = if pinned { &threads_env } else { &[] };
-        let mut verifier = Server::spawn("spade-verifier", &program, &args, env, port, setup.out_dir.join(format!("verifier-{slug}.log")))?;
+        let mut verifier = Server::spawn(
+            "spade-verifier",
+            &program,
+            &args,
+            env,
+            port,
+            setup.out_dir.join(format!("verifier-{slug}.log")),
+        )?;
         let took = verifier.wait_ready(&self.client, Ready::Healthy).await?;
 
-        let link = LinkConfig { seed: Some(1), ..LinkConfig::with_rtt(Duration::from_millis(rtt_ms)) };
+        let link =
+            LinkConfig { seed: Some(1), ..LinkConfig::with_rtt(Duration::from_millis(rtt_ms)) };
         let proxy = spawn_proxy(format!("127.0.0.1:{port}"), link).await?;
         let port = free_port()?;
-        let mut args: Vec<String> = vec!["--draft-model".into(), setup.draft_model.clone(), "--verifier-url".into(), format!("http://{}", proxy.addr())];
-        args.extend(["--port".into(), port.to_string(), "--verify-timeout-secs".into(), VERIFY_TIMEOUT_S.into()]);
+        let mut args: Vec<String> = vec![
+            "--draft-model".into(),
+            setup.draft_model.clone(),
+            "--verifier-url".into(),
+            format!("http://{}", proxy.addr()),
+        ];
+        args.extend([
+            "--port".into(),
+            port.to_string(),
+            "--verify-timeout-secs".into(),
+            VERIFY_TIMEOUT_S.into(),
+        ]);
         args.extend(mode.gateway_args());
-        let (program, args) = wrap(setup.pinning.as_ref().map(|p| p.gateway_cpu), setup, setup.bin_dir.join("spade-gateway"), args);
+        let (program, args) = wrap(
+            setup.pinning.as_ref().map(|p| p.gateway_cpu),
+            setup,
+            setup.bin_dir.join("spade-gateway"),
+            args,
+        );
         let mut env = vec![("SPADE_VERIFIER_API_KEY", VERIFIER_KEY)];
         env.extend(if pinned { &threads_env[..] } else { &[] });
-        let mut gateway = Server::spawn("spade-gateway", &program, &args, &env, port, setup.out_dir.join(format!("gateway-{slug}.log")))?;
+        let mut gateway = Server::spawn(
+            "spade-gateway",
+            &program,
+            &args,
+            &env,
+            port,
+            setup.out_dir.join(format!("gateway-{slug}.log")),
+        )?;
         gateway.wait_ready(&self.client, Ready::Healthy).await?;
 
         let cpus = |s: &Server| cpus_of(s.pid()).unwrap_or_else(|| "?".into());
-        println!("{mode} at RTT {rtt_ms} ms: verifier ready in {:.1} s (CPUs {}), gateway (CPUs {})", took.as_secs_f64(), cpus(&verifier), cpus(&gateway));
+        println!(
+            "{mode} at RTT {rtt_ms} ms: verifier ready in {:.1} s (CPUs {}), gateway (CPUs {})",
+            took.as_secs_f64(),
+            cpus(&verifier),
+            cpus(&gateway)
+        );
         if self.placement.is_empty() {
-            let threads = if pinned { "--threads 1 / RAYON_NUM_THREADS=1" } else { "default threads" };
-            self.placement.push(format!("verifiers: CPUs {} (`Cpus_allowed_list`), gateways: CPUs {}, {threads}", cpus(&verifier), cpus(&gateway)));
+            let threads =
+                if pinned { "--threads 1 / RAYON_NUM_THREADS=1" } else { "default threads" };
+            self.placement.push(format!(
+                "verifiers: CPUs {} (`Cpus_allowed_list`), gateways: CPUs {}, {threads}",
+                cpus(&verifier),
+                cpus(&gateway)
+            ));
         }
         Ok(Stack { mode, verifier, gateway, _proxy: proxy })
     }
 
     /// One turn of `stack`'s conversation after its `answers` so far, with what the verifier spent.
-    async fn play_turn(&self, stack: &Stack, rtt_ms: u64, answers: &[String]) -> anyhow::Result<TurnRecord> {
+    async fn play_turn(
+        &self,
+        stack: &Stack,
+        rtt_ms: u64,
+        answers: &[String],
+    ) -> anyhow::Result<TurnRecord> {
         let turn = answers.len() + 1;
-        let body = self.conversation.request_body(&self.conversation.messages_after(answers), self.plan.max_tokens);
+        let body = self
+            .conversation
+            .request_body(&self.conversation.messages_after(answers), self.plan.max_tokens);
         let (computed_before, cached_before) = self.prompt_counters(stack).await?;
         let draft_before = self.draft_counter(stack).await?;
         let cpu_before = cpu_seconds(stack.verifier.pid())?;
-        let reply = stream_turn(&self.client, &stack.gateway.url, &body).await.with_context(|| format!("{} at RTT {rtt_ms} ms, turn {turn}", stack.mode))?;
+        let reply = stream_turn(&self.client, &stack.gateway.url, &body)
+            .await
+            .with_context(|| format!("{} at RTT {rtt_ms} ms, turn {turn}", stack.mode))?;
         tokio::time::sleep(SETTLE).await;
         let verifier_cpu_s = cpu_seconds(stack.verifier.pid())? - cpu_before;
         let (computed_after, cached_after) = self.prompt_counters(stack).await?;
@@ -170,14 +250,26 @@ impl<'a> AgentRun<'a> {
     /// The verifier's prompt positions computed and cached so far (read directly, not through the
     /// proxy: scrapes are not traffic); `None` for a counter it does not export.
     async fn prompt_counters(&self, stack: &Stack) -> anyhow::Result<(Option<f64>, Option<f64>)> {
-        let response = self.client.get(format!("{}/metrics", stack.verifier.url)).bearer_auth(VERIFIER_KEY).send().await?;
+        let response = self
+            .client
+            .get(format!("{}/metrics", stack.verifier.url))
+            .bearer_auth(VERIFIER_KEY)
+            .send()
+            .await?;
         let text = response.error_for_status()?.text().await?;
         Ok((counter(&text, &PROMPT_COMPUTED), counter(&text, &PROMPT_CACHED)))
     }
 
     /// The gateway's count of context positions its draft model computed so far.
     async fn draft_counter(&self, stack: &Stack) -> anyhow::Result<Option<f64>> {
-        let text = self.client.get(format!("{}/metrics", stack.gateway.url)).send().await?.error_for_status()?.text().await?;
+        let text = self
+            .client
+            .get(format!("{}/metrics", stack.gateway.url))
+            .send()
+            .await?
+            .error_for_status()?
+            .text()
+            .await?;
         Ok(counter(&text, &DRAFT_COMPUTED))
     }
 
@@ -206,7 +298,12 @@ pub fn rotated(turn: usize, n: usize) -> Vec<usize> {
 }
 
 /// `program args` as started: under `taskset -c CPU` when the run pins.
-fn wrap(cpu: Option<usize>, setup: &Setup, program: PathBuf, args: Vec<String>) -> (PathBuf, Vec<String>) {
+fn wrap(
+    cpu: Option<usize>,
+    setup: &Setup,
+    program: PathBuf,
+    args: Vec<String>,
+) -> (PathBuf, Vec<String>) {
     match (&setup.pinning, cpu) {
         (Some(p), Some(cpu)) => p.wrap(cpu, &program, &args),
         _ => (program, args),
@@ -222,7 +319,12 @@ pub fn freeze_binaries(from: &Path, out: &Path) -> anyhow::Result<PathBuf> {
     for name in ["spade-verifier", "spade-gateway"] {
         let (src, dst) = (from.join(name), dir.join(name));
         if std::fs::hard_link(&src, &dst).is_err() {
-            std::fs::copy(&src, &dst).with_context(|| format!("copying {} (cargo build -p spade-gateway -p spade-verifier --bins)", src.display()))?;
+            std::fs::copy(&src, &dst).with_context(|| {
+                format!(
+                    "copying {} (cargo build -p spade-gateway -p spade-verifier --bins)",
+                    src.display()
+                )
+            })?;
         }
     }
     Ok(dir)

@@ -64,13 +64,16 @@ fn fold(payload: &str, into: &mut Folded) -> anyhow::Result<bool> {
         into.done = true;
         return Ok(false);
     }
-    let chunk: Value = serde_json::from_str(payload).with_context(|| format!("bad SSE payload {payload:?}"))?;
+    let chunk: Value =
+        serde_json::from_str(payload).with_context(|| format!("bad SSE payload {payload:?}"))?;
     if let Some(error) = chunk.get("error") {
         bail!("error event mid-stream: {error}");
     }
     let mut content = false;
     for choice in chunk["choices"].as_array().into_iter().flatten() {
-        if let Some(text) = choice.pointer("/delta/content").and_then(Value::as_str).filter(|t| !t.is_empty()) {
+        if let Some(text) =
+            choice.pointer("/delta/content").and_then(Value::as_str).filter(|t| !t.is_empty())
+        {
             into.text.push_str(text);
             content = true;
         }
@@ -83,9 +86,18 @@ fn fold(payload: &str, into: &mut Folded) -> anyhow::Result<bool> {
 
 /// Sends one turn (`body`, from [`super::conversation::Conversation::request_body`]) to the gateway
 /// at `base_url` and reads the stream to its end.
-pub async fn stream_turn(client: &reqwest::Client, base_url: &str, body: &Value) -> anyhow::Result<Reply> {
+pub async fn stream_turn(
+    client: &reqwest::Client,
+    base_url: &str,
+    body: &Value,
+) -> anyhow::Result<Reply> {
     let started = Instant::now();
-    let response = client.post(format!("{base_url}/v1/chat/completions")).json(body).send().await.context("sending the request")?;
+    let response = client
+        .post(format!("{base_url}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .context("sending the request")?;
     let status = response.status();
     if !status.is_success() {
         bail!("gateway answered {status}: {}", response.text().await.unwrap_or_default());
@@ -103,8 +115,15 @@ pub async fn stream_turn(client: &reqwest::Client, base_url: &str, body: &Value)
     if !folded.done {
         bail!("the stream ended without [DONE]");
     }
-    let usage = folded.usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
-    Ok(Reply { text: folded.text, usage: UsageFigures::from_usage(&usage), ttft_s: ttft.unwrap_or(total_s), total_s })
+    let usage = folded
+        .usage
+        .ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
+    Ok(Reply {
+        text: folded.text,
+        usage: UsageFigures::from_usage(&usage),
+        ttft_s: ttft.unwrap_or(total_s),
+        total_s,
+    })
 }
 
 /// The verifier's counters of prompt positions computed and found cached.
@@ -135,22 +154,35 @@ mod tests {
     use serde_json::json;
 
     fn chunk(content: Option<&str>, usage: Value) -> String {
-        let choices = content.map_or(json!([]), |c| json!([{"index": 0, "delta": {"content": c}, "finish_reason": null}]));
+        let choices = content.map_or(
+            json!([]),
+            |c| json!([{"index": 0, "delta": {"content": c}, "finish_reason": null}]),
+        );
         json!({"object": "chat.completion.chunk", "choices": choices, "usage": usage}).to_string()
     }
 
     #[test]
     fn a_stream_folds_into_text_usage_and_done() {
         let mut f = Folded::default();
-        assert!(!fold(&chunk(Some(""), Value::Null), &mut f).unwrap(), "an empty delta is not content");
-        assert!(!fold(&json!({"choices": [{"delta": {"role": "assistant"}}]}).to_string(), &mut f).unwrap());
+        assert!(
+            !fold(&chunk(Some(""), Value::Null), &mut f).unwrap(),
+            "an empty delta is not content"
+        );
+        assert!(!fold(&json!({"choices": [{"delta": {"role": "assistant"}}]}).to_string(), &mut f)
+            .unwrap());
         assert!(fold(&chunk(Some("def "), Value::Null), &mut f).unwrap());
         assert!(fold(&chunk(Some("remove"), Value::Null), &mut f).unwrap());
         assert!(!fold(&chunk(None, json!({"prompt_tokens": 9})), &mut f).unwrap());
         assert!(!f.done);
         fold("[DONE]", &mut f).unwrap();
-        assert_eq!((f.text.as_str(), f.done, f.usage.clone()), ("def remove", true, Some(json!({"prompt_tokens": 9}))));
-        assert!(fold(r#"{"error": {"message": "verifier down"}}"#, &mut f).unwrap_err().to_string().contains("verifier down"));
+        assert_eq!(
+            (f.text.as_str(), f.done, f.usage.clone()),
+            ("def remove", true, Some(json!({"prompt_tokens": 9})))
+        );
+        assert!(fold(r#"{"error": {"message": "verifier down"}}"#, &mut f)
+            .unwrap_err()
+            .to_string()
+            .contains("verifier down"));
         assert!(fold("not json", &mut f).is_err());
     }
 
@@ -160,8 +192,13 @@ mod tests {
             "prompt_tokens_details": {"cached_tokens": 1990},
             "spade": {"verify_calls": 20, "degraded": false}});
         let u = UsageFigures::from_usage(&usage);
-        assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.verify_calls), (2100, 48, Some(1990), 20));
-        let old = UsageFigures::from_usage(&json!({"prompt_tokens": 10, "completion_tokens": 2, "spade": {"verify_calls": 1, "degraded": true}}));
+        assert_eq!(
+            (u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.verify_calls),
+            (2100, 48, Some(1990), 20)
+        );
+        let old = UsageFigures::from_usage(
+            &json!({"prompt_tokens": 10, "completion_tokens": 2, "spade": {"verify_calls": 1, "degraded": true}}),
+        );
         assert_eq!((old.cached_tokens, old.degraded), (None, true));
     }
 

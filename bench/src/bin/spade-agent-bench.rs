@@ -54,10 +54,18 @@ struct Args {
     #[arg(long, env = "SPADE_AGENT_BENCH_NO_PIN")]
     no_pin: bool,
 
-    #[arg(long, env = "SPADE_BENCH_DRAFT_MODEL", default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
+    #[arg(
+        long,
+        env = "SPADE_BENCH_DRAFT_MODEL",
+        default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    )]
     draft_model: String,
 
-    #[arg(long, env = "SPADE_BENCH_TARGET_MODEL", default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")]
+    #[arg(
+        long,
+        env = "SPADE_BENCH_TARGET_MODEL",
+        default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    )]
     target_model: String,
 
     /// Folder with spade-verifier and spade-gateway (default: next to this binary).
@@ -94,10 +102,20 @@ fn shell_quote(s: &str) -> String {
 /// The commit measured, and whether the working tree differed from it.
 fn git_state() -> String {
     let git = |args: &[&str]| {
-        std::process::Command::new("git").args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    match (git(&["rev-parse", "--short", "HEAD"]), git(&["status", "--porcelain", "--untracked-files=no"])) {
-        (Some(head), Some(changes)) if !changes.is_empty() => format!("git {head} with uncommitted changes"),
+    match (
+        git(&["rev-parse", "--short", "HEAD"]),
+        git(&["status", "--porcelain", "--untracked-files=no"]),
+    ) {
+        (Some(head), Some(changes)) if !changes.is_empty() => {
+            format!("git {head} with uncommitted changes")
+        }
         (Some(head), _) => format!("git {head}"),
         _ => "unknown (not a git checkout)".into(),
     }
@@ -110,16 +128,30 @@ fn file_name(path: &str) -> &str {
 
 fn print_plan(plan: &AgentPlan, conversation: &Conversation, setup: &[String]) {
     println!("spade-agent-bench plan");
-    println!("  conversation: {} ({} of {} user turns, {} tools)", conversation.id, plan.turns, conversation.turns.len(), conversation.tools.len());
-    let sizes: Vec<String> = (0..plan.turns).map(|t| conversation.approx_prompt_tokens(t, plan.max_tokens).to_string()).collect();
+    println!(
+        "  conversation: {} ({} of {} user turns, {} tools)",
+        conversation.id,
+        plan.turns,
+        conversation.turns.len(),
+        conversation.tools.len()
+    );
+    let sizes: Vec<String> = (0..plan.turns)
+        .map(|t| conversation.approx_prompt_tokens(t, plan.max_tokens).to_string())
+        .collect();
     println!("  prompt tokens per turn, estimated from characters: {}", sizes.join(", "));
-    println!("  modes: {}", plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "));
+    println!(
+        "  modes: {}",
+        plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    );
     println!("  RTTs: {:?} ms; up to {} tokens per answer, greedy", plan.rtts_ms, plan.max_tokens);
     for line in setup {
         println!("  setup: {line}");
     }
     let eta = plan.estimate_seconds(conversation);
-    println!("  estimated time: {:.0} min on an idle 2-core machine (slower when the machine is shared)", eta / 60.0);
+    println!(
+        "  estimated time: {:.0} min on an idle 2-core machine (slower when the machine is shared)",
+        eta / 60.0
+    );
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -136,14 +168,18 @@ async fn main() -> ExitCode {
 async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let conversation = match &args.conversation {
         Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
             Conversation::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
         }
         None => Conversation::built_in(),
     };
     let turns = args.turns.unwrap_or(conversation.turns.len());
-    let plan = AgentPlan::new(args.modes(), args.rtts.clone(), turns, args.max_tokens, &conversation).map_err(anyhow::Error::msg)?;
-    let (pinning, why_not) = Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
+    let plan =
+        AgentPlan::new(args.modes(), args.rtts.clone(), turns, args.max_tokens, &conversation)
+            .map_err(anyhow::Error::msg)?;
+    let (pinning, why_not) =
+        Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
     let mut setup_lines = Vec::new();
     if let Some(why) = &why_not {
         if !args.no_pin {
@@ -164,14 +200,20 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     for model in [&args.draft_model, &args.target_model] {
-        anyhow::ensure!(Path::new(model).exists(), "{model} not found: run `bash scripts/fetch-models.sh pair`");
+        anyhow::ensure!(
+            Path::new(model).exists(),
+            "{model} not found: run `bash scripts/fetch-models.sh pair`"
+        );
     }
     let stamp = utc_stamp();
-    let out = Path::new("bench/results").join(args.name.clone().unwrap_or_else(|| format!("agent-{stamp}")));
+    let out = Path::new("bench/results")
+        .join(args.name.clone().unwrap_or_else(|| format!("agent-{stamp}")));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let bin_dir = match &args.bin_dir {
         Some(d) => d.clone(),
-        None => std::env::current_exe()?.parent().context("no folder around this binary")?.to_path_buf(),
+        None => {
+            std::env::current_exe()?.parent().context("no folder around this binary")?.to_path_buf()
+        }
     };
     let setup = Setup {
         bin_dir: freeze_binaries(&bin_dir, &out)?,
@@ -192,7 +234,10 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let error = outcome.err().map(|e| format!("{e:#}"));
     let records = std::mem::take(&mut runner.records);
     setup_lines.extend(runner.placement.iter().map(|p| format!("as run: {p}")));
-    setup_lines.push(format!("conversation: {}", args.conversation.as_ref().map_or(CONVERSATION_PATH.into(), |p| p.display().to_string())));
+    setup_lines.push(format!(
+        "conversation: {}",
+        args.conversation.as_ref().map_or(CONVERSATION_PATH.into(), |p| p.display().to_string())
+    ));
     let _ = std::fs::remove_dir_all(out.join("bin"));
 
     let (machine, git) = (Machine::describe(), git_state());
@@ -210,8 +255,12 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         wall_s: started.elapsed().as_secs_f64(),
         error: error.as_deref(),
     };
-    let all_totals: Vec<_> =
-        plan.rtts_ms.iter().flat_map(|&rtt| plan.modes.iter().map(move |&m| (rtt, m))).filter_map(|(rtt, m)| totals(&records, rtt, m)).collect();
+    let all_totals: Vec<_> = plan
+        .rtts_ms
+        .iter()
+        .flat_map(|&rtt| plan.modes.iter().map(move |&m| (rtt, m)))
+        .filter_map(|(rtt, m)| totals(&records, rtt, m))
+        .collect();
     let json = json!({
         "stamp": stamp,
         "command": command,
@@ -254,7 +303,17 @@ mod tests {
             (args.rtts.as_slice(), args.max_tokens, args.turns, args.modes()),
             (&[0, 50][..], 48, None, vec![AgentMode::Speculative, AgentMode::TargetOnly])
         );
-        let args = Args::try_parse_from(["spade-agent-bench", "--rtts", "0,20", "--turns", "2", "--max-tokens", "8", "--target-only-cached"]).unwrap();
+        let args = Args::try_parse_from([
+            "spade-agent-bench",
+            "--rtts",
+            "0,20",
+            "--turns",
+            "2",
+            "--max-tokens",
+            "8",
+            "--target-only-cached",
+        ])
+        .unwrap();
         assert_eq!((args.rtts.as_slice(), args.turns, args.max_tokens), (&[0, 20][..], Some(2), 8));
         assert_eq!(args.modes().last(), Some(&AgentMode::TargetOnlyCached));
         assert_eq!(shell_quote("--rtts"), "--rtts");

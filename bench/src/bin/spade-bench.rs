@@ -118,10 +118,18 @@ struct Args {
     #[arg(long, env = "SPADE_BENCH_SEED", default_value_t = 1234)]
     seed: u64,
 
-    #[arg(long, env = "SPADE_BENCH_DRAFT_MODEL", default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")]
+    #[arg(
+        long,
+        env = "SPADE_BENCH_DRAFT_MODEL",
+        default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    )]
     draft_model: String,
 
-    #[arg(long, env = "SPADE_BENCH_TARGET_MODEL", default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")]
+    #[arg(
+        long,
+        env = "SPADE_BENCH_TARGET_MODEL",
+        default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    )]
     target_model: String,
 
     /// The prompt set (JSON lines, see bench/PROMPTS.md).
@@ -164,7 +172,10 @@ fn parse_list(s: &str) -> Result<List, String> {
     if s.is_empty() || s == "none" {
         return Ok(List(Vec::new()));
     }
-    s.split(',').map(|x| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}"))).collect::<Result<_, _>>().map(List)
+    s.split(',')
+        .map(|x| x.trim().parse::<u32>().map_err(|e| format!("{x:?}: {e}")))
+        .collect::<Result<_, _>>()
+        .map(List)
 }
 
 #[derive(Debug, Clone)]
@@ -185,8 +196,14 @@ impl Args {
         let q = self.quick;
         let pick = |quick: Vec<u32>, full: Vec<u32>| if q { quick } else { full };
         Sizes {
-            draft_lens: self.draft_lens.clone().map_or_else(|| pick(vec![1, 4], vec![1, 4, 8]), |l| l.0),
-            no_ahead_lens: self.no_ahead_lens.clone().map_or_else(|| pick(vec![], vec![4]), |l| l.0),
+            draft_lens: self
+                .draft_lens
+                .clone()
+                .map_or_else(|| pick(vec![1, 4], vec![1, 4, 8]), |l| l.0),
+            no_ahead_lens: self
+                .no_ahead_lens
+                .clone()
+                .map_or_else(|| pick(vec![], vec![4]), |l| l.0),
             auto: self.auto,
             draft_only: self.draft_only.unwrap_or(!q),
             auto_max_draft_len: self.auto_max_draft_len,
@@ -197,17 +214,21 @@ impl Args {
             long_max_tokens: self.long_max_tokens.unwrap_or(if q { 128 } else { 160 }),
             temperature: self.temperature,
             reps: self.reps.unwrap_or(if q { 1 } else { 3 }),
-            rtts_ms: self.rtts_ms.clone().unwrap_or_else(|| if q { vec![0, 50, 100] } else { vec![0, 20, 50, 100, 200] }),
+            rtts_ms: self.rtts_ms.clone().unwrap_or_else(|| {
+                if q {
+                    vec![0, 50, 100]
+                } else {
+                    vec![0, 20, 50, 100, 200]
+                }
+            }),
             drift: self.drift_ms.0,
         }
     }
 
     fn command(&self) -> String {
-        self.reported_command
-            .as_deref()
-            .map(str::trim)
-            .map(String::from)
-            .unwrap_or_else(|| std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" "))
+        self.reported_command.as_deref().map(str::trim).map(String::from).unwrap_or_else(|| {
+            std::env::args().map(|a| shell_quote(&a)).collect::<Vec<_>>().join(" ")
+        })
     }
 }
 
@@ -227,24 +248,53 @@ fn file_name(path: &str) -> &str {
 /// The commit measured, and whether the working tree differed from it.
 fn git_state() -> String {
     let git = |args: &[&str]| {
-        std::process::Command::new("git").args(args).output().ok().filter(|o| o.status.success()).map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
-    match (git(&["rev-parse", "--short", "HEAD"]), git(&["status", "--porcelain", "--untracked-files=no"])) {
-        (Some(head), Some(changes)) if !changes.is_empty() => format!("git {head} with uncommitted changes"),
+    match (
+        git(&["rev-parse", "--short", "HEAD"]),
+        git(&["status", "--porcelain", "--untracked-files=no"]),
+    ) {
+        (Some(head), Some(changes)) if !changes.is_empty() => {
+            format!("git {head} with uncommitted changes")
+        }
         (Some(head), _) => format!("git {head}"),
         _ => "unknown (not a git checkout)".into(),
     }
 }
 
 fn print_plan(plan: &Plan, setup: &[String]) {
-    let ids = |list: &[usize]| list.iter().map(|&i| plan.prompts[i].id.as_str()).collect::<Vec<_>>().join(" ");
+    let ids = |list: &[usize]| {
+        list.iter().map(|&i| plan.prompts[i].id.as_str()).collect::<Vec<_>>().join(" ")
+    };
     println!("spade-bench plan");
-    println!("  modes: {}", plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "));
-    println!("  accounting (greedy, RTT 0, once): {} short prompts, <= {} tokens each", plan.accounting.len(), plan.max_tokens);
+    println!(
+        "  modes: {}",
+        plan.modes.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    );
+    println!(
+        "  accounting (greedy, RTT 0, once): {} short prompts, <= {} tokens each",
+        plan.accounting.len(),
+        plan.max_tokens
+    );
     println!("  sampled (T={}, RTT 0, every rep): {}", plan.temperature, ids(&plan.sampled));
-    println!("  timing (greedy, RTTs {:?} ms, every rep): {}, <= {} tokens each", plan.rtts_ms, ids(&plan.long), plan.long_max_tokens);
+    println!(
+        "  timing (greedy, RTTs {:?} ms, every rep): {}, <= {} tokens each",
+        plan.rtts_ms,
+        ids(&plan.long),
+        plan.long_max_tokens
+    );
     match plan.drift {
-        Some(d) => println!("  drift (greedy, RTT {} ms, then {} ms from half the output on, every rep): {}", d.from_ms, d.to_ms, ids(&plan.long)),
+        Some(d) => println!(
+            "  drift (greedy, RTT {} ms, then {} ms from half the output on, every rep): {}",
+            d.from_ms,
+            d.to_ms,
+            ids(&plan.long)
+        ),
         None => println!("  drift: none"),
     }
     println!("  repetitions: {}", plan.reps);
@@ -253,8 +303,16 @@ fn print_plan(plan: &Plan, setup: &[String]) {
     }
     let eta = plan.estimate_seconds();
     let (starts, parts) = plan.estimate_parts();
-    let parts: Vec<String> = parts.iter().filter(|(_, s)| *s > 0.0).map(|(k, s)| format!("{k:?} {:.1}", s / 60.0)).collect();
-    println!("  estimate by part, minutes: server starts {:.1}, {}", starts / 60.0, parts.join(", "));
+    let parts: Vec<String> = parts
+        .iter()
+        .filter(|(_, s)| *s > 0.0)
+        .map(|(k, s)| format!("{k:?} {:.1}", s / 60.0))
+        .collect();
+    println!(
+        "  estimate by part, minutes: server starts {:.1}, {}",
+        starts / 60.0,
+        parts.join(", ")
+    );
     println!("  estimated time: {:.0} min on an idle 2-core machine (ETA {} UTC; slower when the machine is shared)", eta / 60.0, eta_clock(eta));
 }
 
@@ -264,7 +322,13 @@ fn eta_clock(seconds: f64) -> String {
     format!("{:02}:{:02}", secs / 3600, secs / 60 % 60)
 }
 
-fn write_results(out: &Path, ctx: &ReportContext, summary: &Summary, results: &[BatchResult], error: Option<&str>) -> anyhow::Result<()> {
+fn write_results(
+    out: &Path,
+    ctx: &ReportContext,
+    summary: &Summary,
+    results: &[BatchResult],
+    error: Option<&str>,
+) -> anyhow::Result<()> {
     let json = json!({
         "stamp": ctx.stamp,
         "command": ctx.command,
@@ -294,7 +358,9 @@ fn write_results(out: &Path, ctx: &ReportContext, summary: &Summary, results: &[
     std::fs::write(out.join("results.json"), serde_json::to_string_pretty(&json)?)?;
     let mut md = report::render(ctx, summary);
     if let Some(e) = error {
-        md = format!("**This run did not finish: {e}. The figures cover what was measured before.**\n\n{md}");
+        md = format!(
+            "**This run did not finish: {e}. The figures cover what was measured before.**\n\n{md}"
+        );
     }
     std::fs::write(out.join("results.md"), md)?;
     Ok(())
@@ -316,7 +382,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let prompts = load_prompts(&args.prompts_file)?;
     let plan = Plan::new(prompts, &args.sizes()).map_err(anyhow::Error::msg)?;
     anyhow::ensure!((0.0..=1.0).contains(&args.loss), "--loss must be in [0, 1]");
-    let (pinning, why_not) = Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
+    let (pinning, why_not) =
+        Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
     let mut setup_lines = Vec::new();
     if let Some(why) = &why_not {
         if !args.no_pin {
@@ -339,10 +406,16 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     for model in [&args.draft_model, &args.target_model] {
-        anyhow::ensure!(Path::new(model).exists(), "{model} not found: run `bash scripts/fetch-models.sh pair`");
+        anyhow::ensure!(
+            Path::new(model).exists(),
+            "{model} not found: run `bash scripts/fetch-models.sh pair`"
+        );
     }
     let compute_floor = match &args.compute_floor {
-        Some(path) => Some(std::fs::read_to_string(path).with_context(|| format!("reading --compute-floor {}", path.display()))?),
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading --compute-floor {}", path.display()))?,
+        ),
         None => None,
     };
     let stamp = utc_stamp();
@@ -353,7 +426,9 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let bin_dir = match &args.bin_dir {
         Some(d) => d.clone(),
-        None => std::env::current_exe()?.parent().context("no folder around this binary")?.to_path_buf(),
+        None => {
+            std::env::current_exe()?.parent().context("no folder around this binary")?.to_path_buf()
+        }
     };
     let setup = Setup {
         bin_dir,
@@ -395,7 +470,10 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         plan: &plan,
         setup: &setup_lines,
         verifier_pass_ms: &pass_ms,
-        compute_floor: compute_floor.as_deref().map(report::compute_floor_summary).unwrap_or_default(),
+        compute_floor: compute_floor
+            .as_deref()
+            .map(report::compute_floor_summary)
+            .unwrap_or_default(),
     };
     write_results(&out, &ctx, &summary, &results, error.as_deref())?;
     println!("\n{}", std::fs::read_to_string(out.join("results.md"))?);
@@ -422,14 +500,47 @@ mod tests {
     #[test]
     fn quick_shrinks_what_is_not_given() {
         let full = sizes(&[]);
-        assert_eq!((full.draft_lens, full.no_ahead_lens, full.reps, full.rtts_ms), (vec![1, 4, 8], vec![4], 3, vec![0, 20, 50, 100, 200]));
-        assert_eq!((full.accounting_prompts, full.sampled_prompts, full.long_max_tokens, full.draft_only), (30, 2, 160, true));
+        assert_eq!(
+            (full.draft_lens, full.no_ahead_lens, full.reps, full.rtts_ms),
+            (vec![1, 4, 8], vec![4], 3, vec![0, 20, 50, 100, 200])
+        );
+        assert_eq!(
+            (full.accounting_prompts, full.sampled_prompts, full.long_max_tokens, full.draft_only),
+            (30, 2, 160, true)
+        );
         assert_eq!(full.drift, Some(Drift { from_ms: 20, to_ms: 150 }));
         let quick = sizes(&["--quick"]);
-        assert_eq!((quick.draft_lens, quick.no_ahead_lens, quick.reps, quick.rtts_ms), (vec![1, 4], vec![], 1, vec![0, 50, 100]));
-        assert_eq!((quick.accounting_prompts, quick.sampled_prompts, quick.long_max_tokens, quick.draft_only, quick.auto), (3, 0, 128, false, true));
-        let given = sizes(&["--quick", "--reps", "2", "--no-ahead-lens", "2,4", "--draft-only", "true", "--drift-ms", "none", "--auto", "false"]);
-        assert_eq!((given.reps, given.no_ahead_lens, given.draft_only, given.drift, given.auto), (2, vec![2, 4], true, None, false));
+        assert_eq!(
+            (quick.draft_lens, quick.no_ahead_lens, quick.reps, quick.rtts_ms),
+            (vec![1, 4], vec![], 1, vec![0, 50, 100])
+        );
+        assert_eq!(
+            (
+                quick.accounting_prompts,
+                quick.sampled_prompts,
+                quick.long_max_tokens,
+                quick.draft_only,
+                quick.auto
+            ),
+            (3, 0, 128, false, true)
+        );
+        let given = sizes(&[
+            "--quick",
+            "--reps",
+            "2",
+            "--no-ahead-lens",
+            "2,4",
+            "--draft-only",
+            "true",
+            "--drift-ms",
+            "none",
+            "--auto",
+            "false",
+        ]);
+        assert_eq!(
+            (given.reps, given.no_ahead_lens, given.draft_only, given.drift, given.auto),
+            (2, vec![2, 4], true, None, false)
+        );
     }
 
     #[test]

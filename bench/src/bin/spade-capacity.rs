@@ -28,7 +28,11 @@ use spade_bench::{load_prompts, PROMPTS_PATH};
 const KEY: &str = "capacity-bench";
 
 #[derive(Debug, Parser)]
-#[command(name = "spade-capacity", version, about = "Verifier capacity: recorded edges replayed against one verifier, batched and one call at a time")]
+#[command(
+    name = "spade-capacity",
+    version,
+    about = "Verifier capacity: recorded edges replayed against one verifier, batched and one call at a time"
+)]
 struct Args {
     /// The verifier's model.
     #[arg(long, default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")]
@@ -75,7 +79,11 @@ struct Args {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into())).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
     match run(Args::parse()).await {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::from(1),
@@ -94,7 +102,12 @@ struct Stack {
 }
 
 impl Stack {
-    fn wrap(&self, cpu: Option<usize>, program: PathBuf, args: Vec<String>) -> (PathBuf, Vec<String>) {
+    fn wrap(
+        &self,
+        cpu: Option<usize>,
+        program: PathBuf,
+        args: Vec<String>,
+    ) -> (PathBuf, Vec<String>) {
         match (&self.pinning, cpu) {
             (Some(p), Some(cpu)) => p.wrap(cpu, &program, &args),
             _ => (program, args),
@@ -103,14 +116,31 @@ impl Stack {
 
     async fn verifier(&self, model: &str, extra: &[&str], log: &str) -> anyhow::Result<Server> {
         let port = free_port()?;
-        let mut args: Vec<String> =
-            ["--model", model, "--port", &port.to_string(), "--api-key", KEY, "--cache-budget-mb", "4096", "--log", "warn"].map(String::from).to_vec();
+        let mut args: Vec<String> = [
+            "--model",
+            model,
+            "--port",
+            &port.to_string(),
+            "--api-key",
+            KEY,
+            "--cache-budget-mb",
+            "4096",
+            "--log",
+            "warn",
+        ]
+        .map(String::from)
+        .to_vec();
         if self.pinning.is_some() {
             args.extend(["--threads".into(), "1".into()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let (program, args) = self.wrap(self.pinning.as_ref().map(|p| p.verifier_cpu), self.bin_dir.join("spade-verifier"), args);
-        let mut server = Server::spawn("spade-verifier", &program, &args, &[], port, self.out.join(log))?;
+        let (program, args) = self.wrap(
+            self.pinning.as_ref().map(|p| p.verifier_cpu),
+            self.bin_dir.join("spade-verifier"),
+            args,
+        );
+        let mut server =
+            Server::spawn("spade-verifier", &program, &args, &[], port, self.out.join(log))?;
         server.wait_ready(&self.client, Ready::Healthy).await?;
         Ok(server)
     }
@@ -139,14 +169,30 @@ impl Stack {
         if self.pinning.is_some() {
             env.push(("RAYON_NUM_THREADS", "1"));
         }
-        let (program, gateway_args) = self.wrap(self.pinning.as_ref().map(|p| p.gateway_cpu), self.bin_dir.join("spade-gateway"), gateway_args);
-        let mut gateway = Server::spawn("spade-gateway", &program, &gateway_args, &env, port, self.out.join("record-gateway.log"))?;
+        let (program, gateway_args) = self.wrap(
+            self.pinning.as_ref().map(|p| p.gateway_cpu),
+            self.bin_dir.join("spade-gateway"),
+            gateway_args,
+        );
+        let mut gateway = Server::spawn(
+            "spade-gateway",
+            &program,
+            &gateway_args,
+            &env,
+            port,
+            self.out.join("record-gateway.log"),
+        )?;
         gateway.wait_ready(&self.client, Ready::Healthy).await?;
         let prompts = load_prompts(PROMPTS_PATH)?;
         let step = (prompts.len() / args.traces.max(1)).max(1);
         for prompt in prompts.iter().step_by(step).take(args.traces) {
             let body = json!({"model": "spade", "messages": prompt.messages, "max_tokens": args.max_tokens, "temperature": 0});
-            let r = self.client.post(format!("{}/v1/chat/completions", gateway.url)).json(&body).send().await?;
+            let r = self
+                .client
+                .post(format!("{}/v1/chat/completions", gateway.url))
+                .json(&body)
+                .send()
+                .await?;
             let status = r.status();
             let answer: serde_json::Value = r.json().await?;
             anyhow::ensure!(status.is_success(), "recording {}: {status} {answer}", prompt.id);
@@ -154,7 +200,13 @@ impl Stack {
         }
         let traces = recorder.traces();
         let streams = if args.gateway_streams > 0 {
-            let stack = StreamStack { client: &self.client, gateway: &gateway, verifier: &verifier, prompts: &prompts, max_tokens: args.stream_tokens };
+            let stack = StreamStack {
+                client: &self.client,
+                gateway: &gateway,
+                verifier: &verifier,
+                prompts: &prompts,
+                max_tokens: args.stream_tokens,
+            };
             let one = stack.run(1).await?;
             let many = stack.run(args.gateway_streams).await?;
             Some(StreamsResult { one, many, n: args.gateway_streams })
@@ -229,11 +281,22 @@ struct StreamStack<'a> {
 impl StreamStack<'_> {
     /// `n` greedy chat requests at once (prompts in turn).
     async fn run(&self, n: usize) -> anyhow::Result<StreamRun> {
-        let cpu = || -> anyhow::Result<(f64, f64)> { Ok((cpu_seconds(self.gateway.pid())?, cpu_seconds(self.verifier.pid())?)) };
+        let cpu = || -> anyhow::Result<(f64, f64)> {
+            Ok((cpu_seconds(self.gateway.pid())?, cpu_seconds(self.verifier.pid())?))
+        };
         let busy = || async {
             Ok::<_, anyhow::Error>(
-                Scrape::parse(&self.client.get(format!("{}/metrics", self.verifier.url)).bearer_auth(KEY).send().await?.text().await?)
-                    .value("spade_verify_busy_total"),
+                Scrape::parse(
+                    &self
+                        .client
+                        .get(format!("{}/metrics", self.verifier.url))
+                        .bearer_auth(KEY)
+                        .send()
+                        .await?
+                        .text()
+                        .await?,
+                )
+                .value("spade_verify_busy_total"),
             )
         };
         let (cpu_before, busy_before) = (cpu()?, busy().await?);
@@ -271,14 +334,24 @@ impl StreamStack<'_> {
 }
 
 /// N edges replaying the traces at once against `verifier`, with its CPU time and RSS.
-async fn measure(client: &reqwest::Client, verifier: &Server, mode: &str, traces: &[Trace], n: usize, run: usize) -> anyhow::Result<CapacityPoint> {
+async fn measure(
+    client: &reqwest::Client,
+    verifier: &Server,
+    mode: &str,
+    traces: &[Trace],
+    n: usize,
+    run: usize,
+) -> anyhow::Result<CapacityPoint> {
     let pid = verifier.pid();
     let cpu_before = cpu_seconds(pid)?;
     let started = Instant::now();
     let edges: Vec<_> = (0..n)
         .map(|i| {
-            let (client, url, trace) = (client.clone(), verifier.url.clone(), traces[i % traces.len()].clone());
-            tokio::spawn(async move { replay_edge(&client, &url, KEY, &trace, &format!("r{run}-e{i}")).await })
+            let (client, url, trace) =
+                (client.clone(), verifier.url.clone(), traces[i % traces.len()].clone());
+            tokio::spawn(async move {
+                replay_edge(&client, &url, KEY, &trace, &format!("r{run}-e{i}")).await
+            })
         })
         .collect();
     // RSS is read as each edge ends (the others' sessions still held): the model's load peak,
@@ -293,10 +366,14 @@ async fn measure(client: &reqwest::Client, verifier: &Server, mode: &str, traces
 }
 
 async fn run(args: Args) -> anyhow::Result<bool> {
-    let out = args.out.clone().unwrap_or_else(|| PathBuf::from(format!("bench/results/capacity-{}", utc_stamp())));
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!("bench/results/capacity-{}", utc_stamp())));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let bin_dir = std::env::current_exe()?.parent().context("the binary's folder")?.to_path_buf();
-    let (pinning, why_not) = Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
+    let (pinning, why_not) =
+        Pinning::decide(!args.no_pin, &allowed_cpus(), find_in_path("taskset"));
     if let Some(why) = why_not {
         println!("{why}");
     }
@@ -316,7 +393,16 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     // that slows down during the run affects both modes alike.
     let mut verifiers = Vec::new();
     for (mode, extra) in &modes {
-        verifiers.push((*mode, stack.verifier(&args.target_model, extra, &format!("verifier-{}.log", mode.replace(' ', "-"))).await?));
+        verifiers.push((
+            *mode,
+            stack
+                .verifier(
+                    &args.target_model,
+                    extra,
+                    &format!("verifier-{}.log", mode.replace(' ', "-")),
+                )
+                .await?,
+        ));
     }
     let mut points = Vec::new();
     let mut run = 0;

@@ -62,14 +62,20 @@ fn percentage(s: &str) -> Result<f64, String> {
 
 impl Args {
     fn link(&self) -> LinkConfig {
-        LinkConfig { rtt: Duration::from_millis(self.rtt_ms), jitter: Duration::from_millis(self.jitter_ms), loss: self.loss_pct / 100.0, seed: self.seed }
+        LinkConfig {
+            rtt: Duration::from_millis(self.rtt_ms),
+            jitter: Duration::from_millis(self.jitter_ms),
+            loss: self.loss_pct / 100.0,
+            seed: self.seed,
+        }
     }
 }
 
 /// Ctrl-C, or SIGTERM where there is one (as `docker stop` sends).
 async fn stop_requested() {
     #[cfg(unix)]
-    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+    if let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    {
         tokio::select! { _ = tokio::signal::ctrl_c() => {}, _ = term.recv() => {} }
         return;
     }

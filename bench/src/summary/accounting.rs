@@ -114,7 +114,13 @@ pub fn identity<'a>(candidate: impl IntoIterator<Item = &'a Record>, target: &Ou
 
 /// The figures of one mode from its accounting (or sampled) batches, against target-only's calls per
 /// token and (greedy) outputs.
-pub(super) fn mode_summary(mode: Mode, temperature: f64, batches: &[&BatchResult], calls_per_token: Option<f64>, outputs: &Outputs) -> ModeSummary {
+pub(super) fn mode_summary(
+    mode: Mode,
+    temperature: f64,
+    batches: &[&BatchResult],
+    calls_per_token: Option<f64>,
+    outputs: &Outputs,
+) -> ModeSummary {
     let records: Vec<&Record> = batches.iter().flat_map(|b| &b.records).collect();
     let sum = |f: fn(&Outcome) -> u64| records.iter().map(|r| f(&r.outcome)).sum::<u64>() as f64;
     let (tokens, calls) = (sum(|o| o.completion_tokens), sum(|o| o.verify_calls));
@@ -135,16 +141,22 @@ pub(super) fn mode_summary(mode: Mode, temperature: f64, batches: &[&BatchResult
         requests: records.len(),
         tokens: tokens as u64,
         calls_per_request: ratio(calls, records.len() as f64).unwrap_or(0.0),
-        calls_saved: calls_per_token.filter(|_| mode.uses_verifier()).and_then(|base| Some(1.0 - ratio(calls, tokens)? / base)),
+        calls_saved: calls_per_token
+            .filter(|_| mode.uses_verifier())
+            .and_then(|base| Some(1.0 - ratio(calls, tokens)? / base)),
         acceptance: ratio(accepted, drafted),
         tokens_per_call: ratio(tokens, calls),
         acceptance_by_position: verifier.acceptance_by_position(),
-        acceptance_by_category: by_category.into_iter().filter_map(|(c, (a, d))| Some((c, ratio(a, d)?))).collect(),
+        acceptance_by_category: by_category
+            .into_iter()
+            .filter_map(|(c, (a, d))| Some((c, ratio(a, d)?)))
+            .collect(),
         verifier_cpu_s_per_token: per_token(batches.iter().map(|b| b.verifier_cpu_s).sum()),
         gateway_cpu_s_per_token: per_token(batches.iter().map(|b| b.gateway_cpu_s).sum()),
         verifier_forward_s_per_token: per_token(verifier.forward_seconds),
         bytes_per_token: per_token(sum(|o| o.bytes_sent + o.bytes_received)),
         timing: timing(records.iter().copied()),
-        identical: (temperature == 0.0 && mode != Mode::TargetOnly).then(|| identity(records.iter().copied(), outputs)),
+        identical: (temperature == 0.0 && mode != Mode::TargetOnly)
+            .then(|| identity(records.iter().copied(), outputs)),
     }
 }

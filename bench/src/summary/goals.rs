@@ -71,7 +71,11 @@ impl GoalGap {
     pub(super) fn of(p: &PerRound, ratio: f64, goal: f64) -> Option<GoalGap> {
         (ratio < goal).then(|| {
             let round_needed_s = p.wall_s * ratio / goal;
-            GoalGap { round_needed_s, verifier_s: p.verifier_s, verifier_needed_s: p.verifier_s - (p.wall_s - round_needed_s) }
+            GoalGap {
+                round_needed_s,
+                verifier_s: p.verifier_s,
+                verifier_needed_s: p.verifier_s - (p.wall_s - round_needed_s),
+            }
         })
     }
 
@@ -84,11 +88,16 @@ impl GoalGap {
 /// `auto` against every fixed draft length (draft-ahead on) among one link's rows.
 pub fn auto_vs_fixed(rows: &[SpeedRow]) -> Option<AutoVsFixed> {
     let auto = rows.iter().find(|r| r.mode == Mode::Auto)?;
-    let fixed: Vec<(u32, f64)> = rows.iter().filter_map(|r| Some((r.mode.fixed_with_ahead()?, r.tokens_per_s()?))).collect();
+    let fixed: Vec<(u32, f64)> =
+        rows.iter().filter_map(|r| Some((r.mode.fixed_with_ahead()?, r.tokens_per_s()?))).collect();
     let &(best_fixed, best) = fixed.iter().max_by(|a, b| a.1.total_cmp(&b.1))?;
     let auto_tps = auto.tokens_per_s()?;
     let auto_vs_best = auto_tps / best - 1.0;
-    let met = if auto.drift_to_ms.is_some() { fixed.iter().all(|&(_, f)| auto_tps > f) } else { auto_vs_best >= -AUTO_TOLERANCE };
+    let met = if auto.drift_to_ms.is_some() {
+        fixed.iter().all(|&(_, f)| auto_tps > f)
+    } else {
+        auto_vs_best >= -AUTO_TOLERANCE
+    };
     Some(AutoVsFixed {
         rtt_ms: auto.rtt_ms,
         drift_to_ms: auto.drift_to_ms,
@@ -108,7 +117,10 @@ pub fn auto_vs_fixed(rows: &[SpeedRow]) -> Option<AutoVsFixed> {
 /// `auto` is held to.
 pub(super) fn paired_by_rep(a: &[&Record], b: &[&Record]) -> Option<Spread> {
     let b = by_rep(b.iter().copied());
-    let pairs: Vec<f64> = by_rep(a.iter().copied()).iter().filter_map(|(rep, a)| Some(ratio(a.tokens_per_s()?, b.get(rep)?.tokens_per_s()?)? - 1.0)).collect();
+    let pairs: Vec<f64> = by_rep(a.iter().copied())
+        .iter()
+        .filter_map(|(rep, a)| Some(ratio(a.tokens_per_s()?, b.get(rep)?.tokens_per_s()?)? - 1.0))
+        .collect();
     Spread::of(&pairs)
 }
 
@@ -117,19 +129,32 @@ pub(super) fn vs_target_only(rows: &[SpeedRow]) -> Option<VsTargetOnly> {
     let target = rows.iter().find(|r| r.mode == Mode::TargetOnly)?;
     let target_tps = target.tokens_per_s()?;
     let ahead = |m: Mode| matches!(m, Mode::Auto | Mode::Speculative(_));
-    let best = rows.iter().filter(|r| ahead(r.mode)).filter_map(|r| Some((r, r.tokens_per_s()?))).max_by(|a, b| a.1.total_cmp(&b.1))?;
+    let best = rows
+        .iter()
+        .filter(|r| ahead(r.mode))
+        .filter_map(|r| Some((r, r.tokens_per_s()?)))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
     let goal = SPEEDUP_GOALS.iter().find(|(rtt, _)| *rtt == target.rtt_ms).map(|g| g.1);
     let best_ratio = best.1 / target_tps;
     Some(VsTargetOnly {
         rtt_ms: target.rtt_ms,
         target_only_tokens_per_s: target_tps,
-        auto_ratio: rows.iter().find(|r| r.mode == Mode::Auto).and_then(SpeedRow::tokens_per_s).map(|a| a / target_tps),
+        auto_ratio: rows
+            .iter()
+            .find(|r| r.mode == Mode::Auto)
+            .and_then(SpeedRow::tokens_per_s)
+            .map(|a| a / target_tps),
         best: best.0.mode,
         best_ratio,
         goal,
         met: goal.map(|g| best_ratio >= g),
         dominant: best.0.per_round.map(|p| p.dominant().to_string()),
-        decode_ratio: best.0.timing.decode_tokens_per_s.zip(target.timing.decode_tokens_per_s).and_then(|(b, t)| ratio(b.median, t.median)),
+        decode_ratio: best
+            .0
+            .timing
+            .decode_tokens_per_s
+            .zip(target.timing.decode_tokens_per_s)
+            .and_then(|(b, t)| ratio(b.median, t.median)),
         gap: goal.zip(best.0.per_round).and_then(|(g, p)| GoalGap::of(&p, best_ratio, g)),
     })
 }

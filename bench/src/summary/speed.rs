@@ -59,10 +59,18 @@ pub(super) fn by_rep<'a>(records: impl IntoIterator<Item = &'a Record>) -> BTree
 /// The [`Timing`] of some requests.
 pub fn timing<'a>(records: impl IntoIterator<Item = &'a Record>) -> Timing {
     let by_rep = by_rep(records);
-    let spread = |f: &dyn Fn(&Rep) -> Option<f64>| Spread::of(&by_rep.values().filter_map(f).collect::<Vec<_>>());
+    let spread = |f: &dyn Fn(&Rep) -> Option<f64>| {
+        Spread::of(&by_rep.values().filter_map(f).collect::<Vec<_>>())
+    };
     Timing {
         tokens_per_s: spread(&Rep::tokens_per_s),
-        decode_tokens_per_s: spread(&|r| if r.burst { None } else { ratio(r.after_tokens, r.after_secs) }),
+        decode_tokens_per_s: spread(&|r| {
+            if r.burst {
+                None
+            } else {
+                ratio(r.after_tokens, r.after_secs)
+            }
+        }),
         ttft_s: spread(&|r| ratio(r.ttft, r.n)),
     }
 }
@@ -90,7 +98,12 @@ pub struct PerRound {
 impl PerRound {
     /// The largest term of the round time.
     pub fn dominant(&self) -> &'static str {
-        let terms = [("draft", self.draft_s), ("link", self.link_s), ("verifier", self.verifier_s), ("other", self.other_s)];
+        let terms = [
+            ("draft", self.draft_s),
+            ("link", self.link_s),
+            ("verifier", self.verifier_s),
+            ("other", self.other_s),
+        ];
         terms.iter().max_by(|a, b| a.1.total_cmp(&b.1)).map_or("—", |t| t.0)
     }
 }
@@ -102,7 +115,12 @@ pub fn per_round(records: &[&Record]) -> Option<PerRound> {
         return None;
     }
     let sum = |f: fn(&Outcome) -> f64| records.iter().map(|r| f(&r.outcome)).sum::<f64>() / calls;
-    let (wall_s, draft_s, link_s, verifier_s) = (sum(|o| o.total_s), sum(|o| o.timing.draft_s), sum(|o| o.timing.link_s), sum(|o| o.timing.verifier_s));
+    let (wall_s, draft_s, link_s, verifier_s) = (
+        sum(|o| o.total_s),
+        sum(|o| o.timing.draft_s),
+        sum(|o| o.timing.link_s),
+        sum(|o| o.timing.verifier_s),
+    );
     Some(PerRound {
         rounds: calls / records.len() as f64,
         wall_s,
@@ -151,10 +169,21 @@ impl SpeedRow {
     }
 }
 
-pub(super) fn speed_row(mode: Mode, rtt_ms: u64, drift_to_ms: Option<u64>, records: &[&Record]) -> SpeedRow {
+pub(super) fn speed_row(
+    mode: Mode,
+    rtt_ms: u64,
+    drift_to_ms: Option<u64>,
+    records: &[&Record],
+) -> SpeedRow {
     let sum = |f: fn(&Outcome) -> u64| records.iter().map(|r| f(&r.outcome)).sum::<u64>() as f64;
-    let (tokens, calls, drafted_ahead, used) = (sum(|o| o.completion_tokens), sum(|o| o.verify_calls), sum(|o| o.ahead_drafted), sum(|o| o.ahead_used));
-    let auto: Vec<f64> = records.iter().filter_map(|r| r.outcome.auto.as_ref()?.get("draft")?.as_f64()).collect();
+    let (tokens, calls, drafted_ahead, used) = (
+        sum(|o| o.completion_tokens),
+        sum(|o| o.verify_calls),
+        sum(|o| o.ahead_drafted),
+        sum(|o| o.ahead_used),
+    );
+    let auto: Vec<f64> =
+        records.iter().filter_map(|r| r.outcome.auto.as_ref()?.get("draft")?.as_f64()).collect();
     SpeedRow {
         mode,
         label: mode.to_string(),

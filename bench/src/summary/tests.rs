@@ -2,7 +2,12 @@ use super::*;
 use crate::client::RoundTiming;
 
 /// A request of batch `(rep, mode, kind, rtt_ms)` giving `(tokens, verify calls, seconds)`.
-fn record((rep, mode, kind, rtt_ms): (u32, Mode, Kind, u64), id: &str, text: &str, (tokens, calls, secs): (u64, u64, f64)) -> Record {
+fn record(
+    (rep, mode, kind, rtt_ms): (u32, Mode, Kind, u64),
+    id: &str,
+    text: &str,
+    (tokens, calls, secs): (u64, u64, f64),
+) -> Record {
     let (accepted, rejected) = if mode.speculates() { (tokens - calls, calls) } else { (0, 0) };
     let long = matches!(kind, Kind::Timing | Kind::Drift);
     Record {
@@ -28,7 +33,12 @@ fn record((rep, mode, kind, rtt_ms): (u32, Mode, Kind, u64), id: &str, text: &st
             total_s: secs,
             ahead_drafted: if mode.speculates() && mode != Mode::NoAhead(4) { calls } else { 0 },
             ahead_used: if mode.speculates() && mode != Mode::NoAhead(4) { calls / 2 } else { 0 },
-            timing: RoundTiming { draft_s: 0.1 * calls as f64, overlap_s: 0.05 * calls as f64, link_s: 0.02 * calls as f64, verifier_s: 0.2 * calls as f64 },
+            timing: RoundTiming {
+                draft_s: 0.1 * calls as f64,
+                overlap_s: 0.05 * calls as f64,
+                link_s: 0.02 * calls as f64,
+                verifier_s: 0.2 * calls as f64,
+            },
             auto: (mode == Mode::Auto).then(|| serde_json::json!({"draft": 3})),
             ..Outcome::default()
         },
@@ -38,7 +48,11 @@ fn record((rep, mode, kind, rtt_ms): (u32, Mode, Kind, u64), id: &str, text: &st
 fn batch(records: Vec<Record>, verifier_cpu_s: f64) -> BatchResult {
     let r = &records[0];
     let calls = records.iter().map(|r| r.outcome.verify_calls as f64).sum();
-    let drift_switch = (r.kind == Kind::Drift).then_some(DriftSwitch { request: 0, at_s: 1.0, share_of_request: Some(0.5) });
+    let drift_switch = (r.kind == Kind::Drift).then_some(DriftSwitch {
+        request: 0,
+        at_s: 1.0,
+        share_of_request: Some(0.5),
+    });
     BatchResult {
         batch: Batch {
             rep: r.rep,
@@ -66,8 +80,20 @@ const MODES: [Mode; 2] = [T, S];
 fn run() -> Vec<BatchResult> {
     let (acc, tim) = (Kind::Accounting, Kind::Timing);
     vec![
-        batch(vec![record((0, T, acc, 0), "a", "x", (20, 20, 2.0)), record((0, T, acc, 0), "b", "y", (20, 20, 2.0))], 4.0),
-        batch(vec![record((0, S, acc, 0), "a", "x", (20, 5, 4.0)), record((0, S, acc, 0), "b", "y", (20, 5, 4.0))], 2.0),
+        batch(
+            vec![
+                record((0, T, acc, 0), "a", "x", (20, 20, 2.0)),
+                record((0, T, acc, 0), "b", "y", (20, 20, 2.0)),
+            ],
+            4.0,
+        ),
+        batch(
+            vec![
+                record((0, S, acc, 0), "a", "x", (20, 5, 4.0)),
+                record((0, S, acc, 0), "b", "y", (20, 5, 4.0)),
+            ],
+            2.0,
+        ),
         batch(vec![record((0, T, tim, 0), "long", "long text", (160, 160, 16.0))], 0.0),
         batch(vec![record((0, S, tim, 0), "long", "long text", (160, 40, 16.0))], 0.0),
         batch(vec![record((1, S, tim, 0), "long", "long text", (160, 40, 8.0))], 0.0),
@@ -89,7 +115,11 @@ fn accounting_figures_against_target_only() {
     assert_eq!(spec.verifier_cpu_s_per_token, Some(2.0 / 40.0));
     assert_eq!(spec.bytes_per_token, Some(120.0 / 40.0));
     assert_eq!(spec.identical, Some(Identity { identical: 2, compared: 2, differing: vec![] }));
-    assert_eq!(spec.timing.tokens_per_s.unwrap().median, 40.0 / 8.0, "the accounting requests' own speed");
+    assert_eq!(
+        spec.timing.tokens_per_s.unwrap().median,
+        40.0 / 8.0,
+        "the accounting requests' own speed"
+    );
     let id = &s.identity[0];
     assert_eq!((id.accounting.compared, id.timing.compared, id.drift.compared), (2, 4, 0));
     assert!(s.lossless);
@@ -112,7 +142,10 @@ fn speed_is_the_median_over_repetitions_of_the_long_prompts() {
     let at50 = s.speed.iter().find(|r| r.mode == S && r.rtt_ms == 50).unwrap();
     assert_eq!(at50.vs_target_only, Some(2.0));
     let goal50 = s.vs_target_only.iter().find(|v| v.rtt_ms == 50).unwrap();
-    assert_eq!((goal50.best, goal50.best_ratio, goal50.goal, goal50.met), (S, 2.0, Some(1.5), Some(true)));
+    assert_eq!(
+        (goal50.best, goal50.best_ratio, goal50.goal, goal50.met),
+        (S, 2.0, Some(1.5), Some(true))
+    );
     let goal0 = s.vs_target_only.iter().find(|v| v.rtt_ms == 0).unwrap();
     assert_eq!((goal0.goal, goal0.met), (Some(1.0), Some(true)));
     assert_eq!((goal0.gap, goal50.gap), (None, None), "goals met leave no gap");
@@ -122,7 +155,15 @@ fn speed_is_the_median_over_repetitions_of_the_long_prompts() {
 fn a_missed_goal_says_how_fast_the_verifier_would_have_to_be() {
     // A 400 ms round, 250 of it verifier, at 1.6x where 2x is the goal: the round must take
     // 320 ms, so the verifier 170 ms with the other 150 ms unchanged.
-    let p = PerRound { rounds: 30.0, wall_s: 0.4, draft_s: 0.02, link_s: 0.105, verifier_s: 0.25, other_s: 0.025, overlap_s: 0.2 };
+    let p = PerRound {
+        rounds: 30.0,
+        wall_s: 0.4,
+        draft_s: 0.02,
+        link_s: 0.105,
+        verifier_s: 0.25,
+        other_s: 0.025,
+        overlap_s: 0.2,
+    };
     let gap = GoalGap::of(&p, 1.6, 2.0).unwrap();
     let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
     assert!(close(gap.round_needed_s, 0.32) && close(gap.verifier_needed_s, 0.17), "{gap:?}");
@@ -141,7 +182,12 @@ fn the_round_breakdown_divides_the_gateways_timing_by_verify_calls() {
     let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
     assert!(close(p.rounds, 40.0));
     assert!(close(p.wall_s, 56.0 / 120.0));
-    assert!(close(p.draft_s, 0.1) && close(p.link_s, 0.02) && close(p.verifier_s, 0.2) && close(p.overlap_s, 0.05));
+    assert!(
+        close(p.draft_s, 0.1)
+            && close(p.link_s, 0.02)
+            && close(p.verifier_s, 0.2)
+            && close(p.overlap_s, 0.05)
+    );
     assert!(close(p.other_s, 56.0 / 120.0 - 0.32));
     assert_eq!(p.dominant(), "verifier");
     assert_eq!((row.ahead_used_per_round, row.ahead_used_per_drafted), (Some(0.5), Some(0.5)));
@@ -150,20 +196,34 @@ fn the_round_breakdown_divides_the_gateways_timing_by_verify_calls() {
 }
 
 fn speed(mode: Mode, drift: bool, tps: f64) -> SpeedRow {
-    let r = record((0, mode, if drift { Kind::Drift } else { Kind::Timing }, 20), "long", "t", (100, 25, 100.0 / tps));
+    let r = record(
+        (0, mode, if drift { Kind::Drift } else { Kind::Timing }, 20),
+        "long",
+        "t",
+        (100, 25, 100.0 / tps),
+    );
     speed_row(mode, 20, drift.then_some(150), &[&r])
 }
 
 #[test]
 fn auto_is_held_to_the_best_fixed_length() {
-    let rows = [speed(T, false, 5.0), speed(Mode::Speculative(1), false, 10.0), speed(S, false, 8.0), speed(Mode::NoAhead(1), false, 20.0)];
+    let rows = [
+        speed(T, false, 5.0),
+        speed(Mode::Speculative(1), false, 10.0),
+        speed(S, false, 8.0),
+        speed(Mode::NoAhead(1), false, 20.0),
+    ];
     let within = |auto: f64| {
         let mut r = rows.to_vec();
         r.push(speed(Mode::Auto, false, auto));
         auto_vs_fixed(&r).unwrap()
     };
     let a = within(9.6);
-    assert_eq!((a.best_fixed, a.best_fixed_tokens_per_s, a.fixed.len()), (1, 10.0, 2), "no-ahead lengths are not auto's rivals");
+    assert_eq!(
+        (a.best_fixed, a.best_fixed_tokens_per_s, a.fixed.len()),
+        (1, 10.0, 2),
+        "no-ahead lengths are not auto's rivals"
+    );
     assert!(a.met && (a.auto_vs_best + 0.04).abs() < 1e-9);
     assert!(!within(9.4).met);
     assert_eq!(within(9.0).fixed, vec![(1, 10.0), (4, 8.0)]);
@@ -191,7 +251,14 @@ fn auto_is_paired_with_the_best_fixed_length_within_each_repetition() {
 
 #[test]
 fn on_the_drift_case_auto_must_beat_every_fixed_length() {
-    let drift = |auto: f64| auto_vs_fixed(&[speed(Mode::Speculative(1), true, 10.0), speed(S, true, 8.0), speed(Mode::Auto, true, auto)]).unwrap();
+    let drift = |auto: f64| {
+        auto_vs_fixed(&[
+            speed(Mode::Speculative(1), true, 10.0),
+            speed(S, true, 8.0),
+            speed(Mode::Auto, true, auto),
+        ])
+        .unwrap()
+    };
     assert!(!drift(9.9).met, "within 5% is not enough under drift");
     assert!(drift(10.1).met);
     assert_eq!(drift(10.1).drift_to_ms, Some(150));
@@ -207,7 +274,10 @@ fn a_differing_greedy_output_anywhere_breaks_losslessness() {
     assert_eq!(s.greedy[1].identical.as_ref().unwrap().share(), 0.5);
 
     let mut results = run();
-    results.push(batch(vec![record((0, S, Kind::Drift, 20), "long", "other text", (160, 40, 20.0))], 0.0));
+    results.push(batch(
+        vec![record((0, S, Kind::Drift, 20), "long", "other text", (160, 40, 20.0))],
+        0.0,
+    ));
     let s = summarise(&results, &MODES, &[0, 50], Some(Drift { from_ms: 20, to_ms: 150 }));
     assert!(!s.lossless);
     assert_eq!(s.identity[0].drift.differing, vec!["long @ drift rep 0".to_string()]);
@@ -241,12 +311,21 @@ fn the_report_shows_the_acceptance_tables() {
         rtts_ms: vec![0, 50],
         drift: Some(Drift { from_ms: 20, to_ms: 150 }),
     };
-    let plan = Plan::new(vec![prompt("a", 64), prompt("b", 64), prompt("long", 256)], &sizes).unwrap();
+    let plan =
+        Plan::new(vec![prompt("a", 64), prompt("b", 64), prompt("long", 256)], &sizes).unwrap();
     let mut results = run();
-    for (kind, rtt, tps) in [(Kind::Timing, 0, 11.0), (Kind::Timing, 50, 7.0), (Kind::Drift, 20, 9.0)] {
-        results.push(batch(vec![record((0, Mode::Auto, kind, rtt), "long", "long text", (160, 40, 160.0 / tps))], 0.0));
+    for (kind, rtt, tps) in
+        [(Kind::Timing, 0, 11.0), (Kind::Timing, 50, 7.0), (Kind::Drift, 20, 9.0)]
+    {
+        results.push(batch(
+            vec![record((0, Mode::Auto, kind, rtt), "long", "long text", (160, 40, 160.0 / tps))],
+            0.0,
+        ));
     }
-    results.push(batch(vec![record((0, S, Kind::Drift, 20), "long", "long text", (160, 40, 20.0))], 0.0));
+    results.push(batch(
+        vec![record((0, S, Kind::Drift, 20), "long", "long text", (160, 40, 20.0))],
+        0.0,
+    ));
     let modes = [T, S, Mode::Auto];
     let s = summarise(&results, &modes, &plan.rtts_ms, plan.drift);
     assert!(s.lossless, "{:?}", s.identity);
@@ -298,7 +377,8 @@ fn counter_mismatches_short_outputs_and_missing_drift_switches_are_reported() {
 
     let mut results = run();
     results[2].records[0].outcome.completion_tokens = 90;
-    let mut drift = batch(vec![record((0, S, Kind::Drift, 20), "long", "long text", (160, 40, 20.0))], 0.0);
+    let mut drift =
+        batch(vec![record((0, S, Kind::Drift, 20), "long", "long text", (160, 40, 20.0))], 0.0);
     drift.drift_switch = None;
     results.push(drift);
     let s = summarise(&results, &MODES, &[0], Some(Drift { from_ms: 20, to_ms: 150 }));

@@ -71,11 +71,21 @@ impl DraftController {
         if self.block_end == BlockEnd::Length {
             return true;
         }
-        let now = Candidate { drafted: block.drafted, expected_tokens: block.expected_tokens, all_accepted: block.all_accepted };
-        let blocks: Vec<(Candidate, f64)> = std::iter::once(now).chain(e.longer_blocks(now, cap)).map(|c| (c, self.policy.value(e, self.kind, &c))).collect();
+        let now = Candidate {
+            drafted: block.drafted,
+            expected_tokens: block.expected_tokens,
+            all_accepted: block.all_accepted,
+        };
+        let blocks: Vec<(Candidate, f64)> = std::iter::once(now)
+            .chain(e.longer_blocks(now, cap))
+            .map(|c| (c, self.policy.value(e, self.kind, &c)))
+            .collect();
         let top = blocks.iter().map(|&(_, v)| v).fold(f64::NEG_INFINITY, f64::max);
         let slack = RATE_TOLERANCE * self.policy.rate * self.choice.round_time_s;
-        let chosen = blocks.iter().filter(|&&(_, v)| v >= top - slack).min_by_key(|(c, _)| c.drafted.abs_diff(self.choice.draft));
+        let chosen = blocks
+            .iter()
+            .filter(|&&(_, v)| v >= top - slack)
+            .min_by_key(|(c, _)| c.drafted.abs_diff(self.choice.draft));
         chosen.is_some_and(|(c, _)| c.drafted > block.drafted)
     }
 }
@@ -91,12 +101,19 @@ mod tests {
     fn low_confidence_stops_the_block_and_high_confidence_runs_to_the_choice() {
         let mut e = Estimates::default();
         for _ in 0..30 {
-            e.observe(&RoundObservation { drafted: 3, accepted: 2, confidences: vec![0.95, 0.95, 0.05], ..Default::default() });
+            e.observe(&RoundObservation {
+                drafted: 3,
+                accepted: 2,
+                confidences: vec![0.95, 0.95, 0.05],
+                ..Default::default()
+            });
         }
         assert!(e.acceptance_at(0, 0.05) < 0.05 && e.acceptance_at(0, 0.95) > 0.95, "{e:?}");
         let (by_confidence, any_confidence) = (e.by_confidence, e.any_confidence);
-        let estimates = Estimates { by_confidence, any_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) };
-        let mut ctl = DraftController::with_estimates(16, false, estimates.clone()).with_block_end(BlockEnd::Early);
+        let estimates =
+            Estimates { by_confidence, any_confidence, ..est(0.8, 30.0, 200.0, 100.0, 10.0) };
+        let mut ctl = DraftController::with_estimates(16, false, estimates.clone())
+            .with_block_end(BlockEnd::Early);
         let d = ctl.choose(BlockKind::Serial);
         assert_eq!((d, ctl.block_cap()), (6, 6));
         assert!(!ctl.keep_drafting(&mut BlockOdds::default(), 0.05));
@@ -113,13 +130,17 @@ mod tests {
         assert_eq!(kept, d - 1, "drafted {d} tokens");
         // Ending on confidence alone, confident tokens run the block past the chosen length to the most
         // it may hold, and an unsure one still ends it.
-        let mut ctl = DraftController::with_estimates(16, false, estimates).with_block_end(BlockEnd::Confidence);
+        let mut ctl = DraftController::with_estimates(16, false, estimates)
+            .with_block_end(BlockEnd::Confidence);
         assert_eq!((ctl.choose(BlockKind::Serial), ctl.block_cap()), (6, 16));
         let mut block = BlockOdds::default();
         let kept = (1..=16).take_while(|_| ctl.keep_drafting(&mut block, 0.97)).count();
         assert_eq!(kept, 15, "drafted 16 tokens");
         let mut block = BlockOdds::default();
-        assert!((0..8).all(|_| ctl.keep_drafting(&mut block, 0.97)) && !ctl.keep_drafting(&mut block, 0.02));
+        assert!(
+            (0..8).all(|_| ctl.keep_drafting(&mut block, 0.97))
+                && !ctl.keep_drafting(&mut block, 0.02)
+        );
     }
 
     #[test]
@@ -127,13 +148,19 @@ mod tests {
         for rtt in [0.0, 20.0, 50.0, 100.0, 200.0] {
             for overlap in [false, true] {
                 let mut e = est(0.8, 30.0, rtt, 60.0, 35.0);
-                (e.by_confidence, e.any_confidence) = ([Rate::prior(1.0); BUCKETS], Rate::prior(1.0));
-                let mut ctl = DraftController::with_estimates(8, overlap, e).with_block_end(BlockEnd::Early);
+                (e.by_confidence, e.any_confidence) =
+                    ([Rate::prior(1.0); BUCKETS], Rate::prior(1.0));
+                let mut ctl =
+                    DraftController::with_estimates(8, overlap, e).with_block_end(BlockEnd::Early);
                 for kind in [BlockKind::Serial, BlockKind::Ahead] {
                     let d = ctl.choose(kind);
                     let mut block = BlockOdds::default();
                     let kept = (1..=d).take_while(|_| ctl.keep_drafting(&mut block, 0.85)).count();
-                    assert_eq!(kept, d.saturating_sub(1), "rtt {rtt} overlap {overlap} {kind:?}: d = {d}");
+                    assert_eq!(
+                        kept,
+                        d.saturating_sub(1),
+                        "rtt {rtt} overlap {overlap} {kind:?}: d = {d}"
+                    );
                 }
             }
         }

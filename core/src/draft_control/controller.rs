@@ -37,7 +37,12 @@ impl DraftController {
     /// `max_draft`: the verifier's limit; `overlap`: whether the edge drafts ahead during calls; `seed`: the
     /// gateway-wide estimates (their acceptance rates count as at most [`SEED_OUTCOMES`](super::estimates::SEED_OUTCOMES) outcomes here).
     pub fn new(max_draft: usize, overlap: bool, mut seed: Estimates) -> Self {
-        for rate in seed.alpha.iter_mut().chain([&mut seed.pooled, &mut seed.beta, &mut seed.any_confidence]).chain(seed.by_confidence.iter_mut()) {
+        for rate in seed
+            .alpha
+            .iter_mut()
+            .chain([&mut seed.pooled, &mut seed.beta, &mut seed.any_confidence])
+            .chain(seed.by_confidence.iter_mut())
+        {
             *rate = rate.as_seed();
         }
         Self::with_estimates(max_draft, overlap, seed)
@@ -48,7 +53,16 @@ impl DraftController {
         let view = estimates.optimistic();
         let policy = view.best(max_draft, overlap, None);
         let choice = view.choice_of(&policy, BlockKind::Serial, max_draft, estimates.acceptance());
-        Self { max_draft, overlap, estimates, policy, kind: BlockKind::Serial, choice, unprobed: 0, block_end: BlockEnd::default() }
+        Self {
+            max_draft,
+            overlap,
+            estimates,
+            policy,
+            kind: BlockKind::Serial,
+            choice,
+            unprobed: 0,
+            block_end: BlockEnd::default(),
+        }
     }
 
     /// Where blocks end ([`BlockEnd::Confidence`] unless set).
@@ -63,7 +77,8 @@ impl DraftController {
         let view = self.estimates.optimistic();
         self.policy = view.best(self.max_draft, self.overlap, Some(previous));
         self.kind = kind;
-        self.choice = view.choice_of(&self.policy, kind, self.max_draft, self.estimates.acceptance());
+        self.choice =
+            view.choice_of(&self.policy, kind, self.max_draft, self.estimates.acceptance());
         self.choice.draft
     }
 
@@ -71,7 +86,8 @@ impl DraftController {
     /// every one while the first position's acceptance has fewer than [`LEARNING_OUTCOMES`] outcomes.
     pub fn probe(&mut self) -> bool {
         self.unprobed += 1;
-        let learning = self.estimates.alpha.first().is_none_or(|rate| rate.outcomes < LEARNING_OUTCOMES);
+        let learning =
+            self.estimates.alpha.first().is_none_or(|rate| rate.outcomes < LEARNING_OUTCOMES);
         let due = learning || self.unprobed >= PROBE_EVERY;
         if due {
             self.unprobed = 0;
@@ -136,7 +152,10 @@ mod tests {
             let d = ctl.choose(BlockKind::Serial);
             ctl.observe(&simulate(&mut rng, d, 0.020));
         }
-        let at = |e: &Estimates, rtt_s: f64| DraftController::new(16, true, Estimates { rtt_s, ..e.clone() }).choose(BlockKind::Serial);
+        let at = |e: &Estimates, rtt_s: f64| {
+            DraftController::new(16, true, Estimates { rtt_s, ..e.clone() })
+                .choose(BlockKind::Serial)
+        };
         let before = ctl.choose(BlockKind::Serial);
         assert!((ctl.estimates().rtt_s - 0.020).abs() < 0.002, "{:?}", ctl.estimates());
         for _ in 0..10 {
@@ -147,9 +166,17 @@ mod tests {
         assert!((e.rtt_s - 0.150).abs() < 0.2 * 0.150, "{e:?}");
         let (want, want_before) = (at(&e, 0.150), at(&e, 0.020));
         // What the new RTT makes fastest, or a length kept because it is as fast (within the tolerance).
-        let (chosen, rate) = (ctl.choose(BlockKind::Serial), |d: usize| e.expected_tokens(d) / e.round_time(d, true));
-        assert!(chosen == want || rate(chosen) >= (1.0 - RATE_TOLERANCE) * rate(want), "{chosen} vs {want}");
-        assert!(want >= want_before && want > before, "{chosen}, {want} vs {want_before} / {before}");
+        let (chosen, rate) = (ctl.choose(BlockKind::Serial), |d: usize| {
+            e.expected_tokens(d) / e.round_time(d, true)
+        });
+        assert!(
+            chosen == want || rate(chosen) >= (1.0 - RATE_TOLERANCE) * rate(want),
+            "{chosen} vs {want}"
+        );
+        assert!(
+            want >= want_before && want > before,
+            "{chosen}, {want} vs {want_before} / {before}"
+        );
     }
 
     #[test]
@@ -172,12 +199,27 @@ mod tests {
         assert_eq!(ctl.choose(BlockKind::Serial), 0, "{:?}", ctl.estimates());
         let fresh = DraftController::with_estimates(8, true, ctl.estimates().clone()).choice();
         assert_eq!((fresh.draft, fresh.draft_ahead), (0, 0), "{:?}", ctl.estimates());
-        assert!(ctl.estimates().alpha.len() == 1 && ctl.estimates().alpha(0) < 0.1, "{:?}", ctl.estimates());
+        assert!(
+            ctl.estimates().alpha.len() == 1 && ctl.estimates().alpha(0) < 0.1,
+            "{:?}",
+            ctl.estimates()
+        );
         assert_eq!((0..4 * PROBE_EVERY).filter(|_| ctl.probe()).count(), 4);
         // After a fully accepted block, the guess is an outcome of the next position.
         let mut e = est(0.5, 15.0, 100.0, 20.0, 45.0);
-        e.observe(&RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() });
-        assert!(e.alpha.len() == 3 && e.alpha(2) > e.alpha(1) && e.alpha(1) > e.alpha(0) && e.alpha(0) > 0.5, "{e:?}");
+        e.observe(&RoundObservation {
+            drafted: 2,
+            accepted: 2,
+            ahead_guess: Some(true),
+            ..Default::default()
+        });
+        assert!(
+            e.alpha.len() == 3
+                && e.alpha(2) > e.alpha(1)
+                && e.alpha(1) > e.alpha(0)
+                && e.alpha(0) > 0.5,
+            "{e:?}"
+        );
     }
 
     #[test]
@@ -185,7 +227,13 @@ mod tests {
         let mut ctl = DraftController::new(usize::MAX, true, Estimates::default());
         let rounds = [
             RoundObservation::default(),
-            RoundObservation { drafted: 2, accepted: 9, confidences: vec![f32::NAN, f32::INFINITY, -1.0], ahead_guess: Some(true), ..Default::default() },
+            RoundObservation {
+                drafted: 2,
+                accepted: 9,
+                confidences: vec![f32::NAN, f32::INFINITY, -1.0],
+                ahead_guess: Some(true),
+                ..Default::default()
+            },
             RoundObservation {
                 drafted: usize::MAX,
                 accepted: usize::MAX,
@@ -193,16 +241,30 @@ mod tests {
                 verifier_time: Some(Duration::ZERO),
                 ..Default::default()
             },
-            RoundObservation { drafted: 1, call_latency: Duration::from_millis(5), verifier_time: Some(Duration::from_secs(1)), ..Default::default() },
+            RoundObservation {
+                drafted: 1,
+                call_latency: Duration::from_millis(5),
+                verifier_time: Some(Duration::from_secs(1)),
+                ..Default::default()
+            },
         ];
         for round in &rounds {
             ctl.observe(round);
             let d = ctl.choose(BlockKind::Serial);
             assert!(d <= MAX_POSITIONS);
             let mut block = BlockOdds::default();
-            let _ = (ctl.keep_drafting(&mut block, f32::NAN), ctl.keep_drafting(&mut block, 2.0), ctl.keep_drafting(&mut block, -3.0));
+            let _ = (
+                ctl.keep_drafting(&mut block, f32::NAN),
+                ctl.keep_drafting(&mut block, 2.0),
+                ctl.keep_drafting(&mut block, -3.0),
+            );
             let c = ctl.choice();
-            assert!(c.tokens_per_s.is_finite() && c.round_time_s > 0.0 && c.alpha.iter().all(|a| (0.0..=1.0).contains(a)), "{c:?}");
+            assert!(
+                c.tokens_per_s.is_finite()
+                    && c.round_time_s > 0.0
+                    && c.alpha.iter().all(|a| (0.0..=1.0).contains(a)),
+                "{c:?}"
+            );
         }
         let e = ctl.estimates();
         // The absurd latency was ignored and the last sample (latency < verifier time) clamped at 0; the first

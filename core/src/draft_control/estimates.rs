@@ -104,7 +104,9 @@ pub struct Estimates {
 
 impl Default for Estimates {
     fn default() -> Self {
-        let by_confidence = std::array::from_fn(|k| Rate::prior(0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64));
+        let by_confidence = std::array::from_fn(|k| {
+            Rate::prior(0.5 * ALPHA_PRIOR + 0.5 * (k as f64 + 0.5) / BUCKETS as f64)
+        });
         Self {
             alpha: Vec::new(),
             pooled: Rate::prior(ALPHA_PRIOR),
@@ -155,7 +157,8 @@ impl Rate {
 
     /// The rate plus `z` standard errors of a mean of its outcomes and its prior's (at most 1).
     fn upper(self, z: f64) -> f64 {
-        let variance = self.value * (1.0 - self.value) / (f64::from(self.outcomes) + PRIOR_OUTCOMES);
+        let variance =
+            self.value * (1.0 - self.value) / (f64::from(self.outcomes) + PRIOR_OUTCOMES);
         (self.value + z * variance.max(0.0).sqrt()).min(1.0)
     }
 }
@@ -209,7 +212,9 @@ impl Estimates {
     pub fn acceptance_at(&self, position: usize, confidence: f32) -> f64 {
         let alpha = self.alpha(position);
         match bucket(confidence) {
-            Some(k) if self.any_confidence.value > 0.0 => (alpha * self.by_confidence[k].value / self.any_confidence.value).clamp(0.0, 1.0),
+            Some(k) if self.any_confidence.value > 0.0 => {
+                (alpha * self.by_confidence[k].value / self.any_confidence.value).clamp(0.0, 1.0)
+            }
             _ => alpha,
         }
     }
@@ -246,7 +251,10 @@ impl Estimates {
             self.pooled.learn_at(outcome, POOLED_GAIN);
         }
         // Timing samples: zero means "not measured", and past MAX_SAMPLE_S or MAX_POSITIONS drafts it is not a round we model.
-        let sample = |t: Duration| Some(t.as_secs_f64()).filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS);
+        let sample = |t: Duration| {
+            Some(t.as_secs_f64())
+                .filter(|&s| s > 0.0 && s <= MAX_SAMPLE_S && round.drafted <= MAX_POSITIONS)
+        };
         if let Some(step_s) = sample(round.draft_step) {
             ew_bounded(&mut self.t_draft_s, step_s, MAX_DRAFT_SAMPLE_RATIO);
         }
@@ -315,53 +323,96 @@ mod tests {
     #[test]
     fn a_fresh_gateway_learns_a_texts_acceptance_within_a_few_rounds() {
         let mut e = Estimates::default();
-        let accepted = RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() };
+        let accepted = RoundObservation {
+            drafted: 2,
+            accepted: 2,
+            ahead_guess: Some(true),
+            ..Default::default()
+        };
         for _ in 0..4 {
             e.observe(&accepted);
         }
         // The prior counts as four outcomes: position 0 from 0.7 to 0.7 + 0.3 * 4/8 = 0.85 in four (a constant
         // gain of 0.15: 0.88); the pooled rate saw three a round, to 0.7 + 0.3 * 12/16 = 0.925; beta to 0.8.
-        assert!(close(e.alpha[0].value, 0.85) && close(e.acceptance(), 0.925) && close(e.beta.value, 0.8), "{e:?}");
+        assert!(
+            close(e.alpha[0].value, 0.85)
+                && close(e.acceptance(), 0.925)
+                && close(e.beta.value, 0.8),
+            "{e:?}"
+        );
         // A position's alpha leans on the pooled rate, counted as POOLED_OUTCOMES against its own four.
-        assert!(close(e.alpha(0), (4.0 * 0.85 + POOLED_OUTCOMES * 0.925) / (4.0 + POOLED_OUTCOMES)), "{}", e.alpha(0));
+        assert!(
+            close(e.alpha(0), (4.0 * 0.85 + POOLED_OUTCOMES * 0.925) / (4.0 + POOLED_OUTCOMES)),
+            "{}",
+            e.alpha(0)
+        );
         // The length is chosen on the pooled rate read OPTIMISM standard errors high: sqrt(0.925 * 0.075 / 16).
-        assert!(close(e.optimistic().acceptance(), 0.925 + OPTIMISM * (0.925f64 * 0.075 / 16.0).sqrt()), "{e:?}");
+        assert!(
+            close(e.optimistic().acceptance(), 0.925 + OPTIMISM * (0.925f64 * 0.075 / 16.0).sqrt()),
+            "{e:?}"
+        );
         // Past the first outcomes a rate moves at its constant gain, so a late miss is one outcome among many.
         for _ in 0..20 {
             e.observe(&accepted);
         }
         let before = (e.alpha[0].value, e.alpha[1].value, e.acceptance());
         e.observe(&RoundObservation { drafted: 2, accepted: 0, ..Default::default() });
-        assert!(close(e.alpha[0].value, before.0 * (1.0 - ACCEPT_GAIN)) && e.alpha[1].value == before.1, "{e:?}");
+        assert!(
+            close(e.alpha[0].value, before.0 * (1.0 - ACCEPT_GAIN)) && e.alpha[1].value == before.1,
+            "{e:?}"
+        );
         assert!(close(e.acceptance(), before.2 * (1.0 - POOLED_GAIN)), "{e:?}");
         // The optimism fades as outcomes accumulate.
         assert!(e.optimistic().acceptance() - e.acceptance() < 0.015, "{e:?}");
         // A position first reached starts from the pooled rate (as it is when reached), as a prior.
         e.observe(&RoundObservation { drafted: 4, accepted: 3, ..Default::default() });
-        assert!(e.alpha.len() == 4 && e.alpha[3].outcomes == 1 && close(e.alpha[3].value, 0.8 * e.acceptance() / (1.0 - POOLED_GAIN)), "{e:?}");
+        assert!(
+            e.alpha.len() == 4
+                && e.alpha[3].outcomes == 1
+                && close(e.alpha[3].value, 0.8 * e.acceptance() / (1.0 - POOLED_GAIN)),
+            "{e:?}"
+        );
     }
 
     #[test]
     fn a_rejection_at_a_position_rarely_reached_moves_its_alpha_little() {
         let mut e = Estimates::default();
         for _ in 0..10 {
-            e.observe(&RoundObservation { drafted: 2, accepted: 2, ahead_guess: Some(true), ..Default::default() });
+            e.observe(&RoundObservation {
+                drafted: 2,
+                accepted: 2,
+                ahead_guess: Some(true),
+                ..Default::default()
+            });
         }
         let before = e.alpha(4);
         // Position 4's first outcome, a rejection: alone it reads 0.8 times its prior, but the pooled rate
         // (30 outcomes, nearly all accepted) counts as POOLED_OUTCOMES against it.
         e.observe(&RoundObservation { drafted: 5, accepted: 4, ..Default::default() });
-        assert!(e.alpha[4].value < 0.81 * before && e.alpha(4) > before - 0.05, "{before} -> {}: {e:?}", e.alpha(4));
+        assert!(
+            e.alpha[4].value < 0.81 * before && e.alpha(4) > before - 0.05,
+            "{before} -> {}: {e:?}",
+            e.alpha(4)
+        );
     }
 
     #[test]
     fn one_slow_block_moves_the_drafting_times_a_bounded_step() {
         let mut e = Estimates::default();
-        let slow = RoundObservation { drafted: 2, draft_step: Duration::from_secs(2), draft_start: Duration::from_secs(3), ..Default::default() };
+        let slow = RoundObservation {
+            drafted: 2,
+            draft_step: Duration::from_secs(2),
+            draft_start: Duration::from_secs(3),
+            ..Default::default()
+        };
         e.observe(&slow);
         // At most 4x the estimate is believed: 30 ms + 0.3 * (120 ms - 30 ms).
         assert!(close(e.t_draft_s, 0.057) && close(e.t_start_s, 0.057), "{e:?}");
-        let usual = RoundObservation { draft_step: Duration::from_millis(40), draft_start: Duration::from_millis(60), ..slow };
+        let usual = RoundObservation {
+            draft_step: Duration::from_millis(40),
+            draft_start: Duration::from_millis(60),
+            ..slow
+        };
         for _ in 0..15 {
             e.observe(&usual);
         }
@@ -373,7 +424,12 @@ mod tests {
         let mut e = Estimates::default();
         for _ in 0..80 {
             // Every confidence the same (as under greedy decoding without a softmax). Position 0 always accepted, position 1 never.
-            e.observe(&RoundObservation { drafted: 2, accepted: 1, confidences: vec![1.0, 1.0], ..Default::default() });
+            e.observe(&RoundObservation {
+                drafted: 2,
+                accepted: 1,
+                confidences: vec![1.0, 1.0],
+                ..Default::default()
+            });
         }
         // Each position's own rate outweighs the pooled one (0.5) five to one after 80 outcomes.
         assert!(e.acceptance_at(0, 1.0) > 0.9 && e.acceptance_at(1, 1.0) < 0.1, "{e:?}");

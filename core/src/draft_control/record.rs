@@ -111,7 +111,8 @@ impl RoundRecord {
         let key = format!("{}=", Self::LOG_FIELD);
         let at = line.match_indices(&key).map(|(at, _)| at).find(|&at| {
             let before = line[..at].chars().next_back();
-            before.is_none_or(|c| c.is_whitespace() || c == ':') && line[at + key.len()..].starts_with('{')
+            before.is_none_or(|c| c.is_whitespace() || c == ':')
+                && line[at + key.len()..].starts_with('{')
         })?;
         serde_json::Deserializer::from_str(&line[at + key.len()..]).into_iter().next()
     }
@@ -156,7 +157,10 @@ mod nan_as_null {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Vec<f32>, D::Error> {
-        Ok(Vec::<Option<f32>>::deserialize(deserializer)?.into_iter().map(|v| v.unwrap_or(f32::NAN)).collect())
+        Ok(Vec::<Option<f32>>::deserialize(deserializer)?
+            .into_iter()
+            .map(|v| v.unwrap_or(f32::NAN))
+            .collect())
     }
 }
 
@@ -206,7 +210,10 @@ mod tests {
 
     /// Equal, with NaN equal to NaN (a confidence the draft had none for).
     fn same(a: &RoundRecord, b: &RoundRecord) -> bool {
-        let nan_free = |r: &RoundRecord| RoundRecord { confidences: r.confidences.iter().map(|c| if c.is_nan() { -1.0 } else { *c }).collect(), ..r.clone() };
+        let nan_free = |r: &RoundRecord| RoundRecord {
+            confidences: r.confidences.iter().map(|c| if c.is_nan() { -1.0 } else { *c }).collect(),
+            ..r.clone()
+        };
         nan_free(a) == nan_free(b)
     }
 
@@ -214,26 +221,50 @@ mod tests {
     fn a_record_round_trips_through_the_log_lines_the_replay_reads() {
         let r = record();
         let json = r.to_string();
-        assert!(!json.contains(char::is_whitespace) && json.contains("\"confidences\":[0.97,null,0.25]"), "{json}");
+        assert!(
+            !json.contains(char::is_whitespace)
+                && json.contains("\"confidences\":[0.97,null,0.25]"),
+            "{json}"
+        );
         // A text log line as tracing-subscriber's formatter writes the event, plain and with colour codes.
-        let text = format!("2026-12-03T10:00:00.000001Z DEBUG {}: {}={r}", RoundRecord::LOG_TARGET, RoundRecord::LOG_FIELD);
+        let text = format!(
+            "2026-12-03T10:00:00.000001Z DEBUG {}: {}={r}",
+            RoundRecord::LOG_TARGET,
+            RoundRecord::LOG_FIELD
+        );
         let (dim, italic, reset) = ("\u{1b}[2m", "\u{1b}[3m", "\u{1b}[0m");
         let coloured = format!(
             "{dim}2026-12-03T10:00:00Z{reset} \u{1b}[34mDEBUG{reset} {dim}spade_engine::rounds{reset}{dim}:{reset} {italic}round{reset}{dim}={reset}{r}"
         );
         // Its JSON form (`--log-json`): the field's Display as a string.
         let event = serde_json::json!({"timestamp": "2026-12-03T10:00:00Z", "level": "DEBUG", "fields": {"round": json}, "target": RoundRecord::LOG_TARGET});
-        for line in [text, coloured, format!("{}={r} other=1", RoundRecord::LOG_FIELD), event.to_string()] {
-            let parsed = RoundRecord::from_log_line(&line).unwrap_or_else(|| panic!("no record in {line}")).unwrap();
+        for line in
+            [text, coloured, format!("{}={r} other=1", RoundRecord::LOG_FIELD), event.to_string()]
+        {
+            let parsed = RoundRecord::from_log_line(&line)
+                .unwrap_or_else(|| panic!("no record in {line}"))
+                .unwrap();
             assert!(same(&parsed, &r), "{line}\n{parsed:?}");
         }
         // The controller is fed what the loop fed it.
         let observed = r.observation();
         assert!(same(
             &RoundRecord::from_observation(&observed),
-            &RoundRecord { model: None, from_ahead: false, draft_ahead: false, max_draft: 0, remaining: 0, chosen: 0, cap: 0, ..r.clone() }
+            &RoundRecord {
+                model: None,
+                from_ahead: false,
+                draft_ahead: false,
+                max_draft: 0,
+                remaining: 0,
+                chosen: 0,
+                cap: 0,
+                ..r.clone()
+            }
         ));
-        assert_eq!((observed.call_latency, observed.verifier_time), (Duration::from_micros(212_004), Some(Duration::from_micros(150_500))));
+        assert_eq!(
+            (observed.call_latency, observed.verifier_time),
+            (Duration::from_micros(212_004), Some(Duration::from_micros(150_500)))
+        );
     }
 
     #[test]
@@ -247,6 +278,7 @@ mod tests {
         ] {
             assert!(RoundRecord::from_log_line(line).is_none(), "{line}");
         }
-        assert!(RoundRecord::from_log_line("DEBUG spade_engine::rounds: round={\"chosen\":3}").is_some_and(|r| r.is_err()));
+        assert!(RoundRecord::from_log_line("DEBUG spade_engine::rounds: round={\"chosen\":3}")
+            .is_some_and(|r| r.is_err()));
     }
 }

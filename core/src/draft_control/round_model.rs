@@ -23,7 +23,8 @@ impl Estimates {
     pub fn round_time(&self, d: usize, overlap: bool) -> f64 {
         let d = d.min(MAX_POSITIONS);
         let policy = self.evaluate(&self.lengths(d), d, if overlap { d } else { 0 });
-        policy.serial_share * policy.serial.round_time_s + (1.0 - policy.serial_share) * policy.ahead.round_time_s
+        policy.serial_share * policy.serial.round_time_s
+            + (1.0 - policy.serial_share) * policy.ahead.round_time_s
     }
 
     /// Each length `0..=max`'s block before its tokens are seen: `E(d)` and P(all `d` accepted).
@@ -35,7 +36,11 @@ impl Estimates {
 
     /// The blocks that go on from `from` one more draft at a time, up to `to` drafts (drafts past
     /// `from` accepted at `alpha` of their position).
-    pub(super) fn longer_blocks(&self, from: Candidate, to: usize) -> impl Iterator<Item = Candidate> + Clone + '_ {
+    pub(super) fn longer_blocks(
+        &self,
+        from: Candidate,
+        to: usize,
+    ) -> impl Iterator<Item = Candidate> + Clone + '_ {
         (from.drafted + 1..=to).scan(from, move |c, j| {
             c.all_accepted *= self.alpha(j - 1);
             c.expected_tokens += c.all_accepted;
@@ -47,7 +52,13 @@ impl Estimates {
     /// The time a round of `block` adds, given the chance it is a hit and the drafting of the block
     /// drafted ahead during its call (`ahead_s`, the guess included): a serial block's drafting, the
     /// call, and on a hit whatever of the drafting ahead outlasts the call (the next round waits for it).
-    pub(super) fn round_time_of(&self, kind: BlockKind, drafted: usize, p_hit: f64, ahead_s: f64) -> f64 {
+    pub(super) fn round_time_of(
+        &self,
+        kind: BlockKind,
+        drafted: usize,
+        p_hit: f64,
+        ahead_s: f64,
+    ) -> f64 {
         let call = self.rtt_s + self.verify_time(drafted + 1);
         let drafting = match kind {
             BlockKind::Serial if drafted > 0 => self.t_start_s + drafted as f64 * self.t_draft_s,
@@ -73,15 +84,33 @@ impl Estimates {
         let ahead_s = self.ahead_drafting_s(ahead);
         let round = |kind, c: Candidate| {
             let p_hit = c.all_accepted * beta;
-            Round { drafted: c.drafted, expected_tokens: c.expected_tokens, round_time_s: self.round_time_of(kind, c.drafted, p_hit, ahead_s), p_hit }
+            Round {
+                drafted: c.drafted,
+                expected_tokens: c.expected_tokens,
+                round_time_s: self.round_time_of(kind, c.drafted, p_hit, ahead_s),
+                p_hit,
+            }
         };
-        let (s, a) = (round(BlockKind::Serial, lengths[serial]), round(BlockKind::Ahead, lengths[ahead]));
+        let (s, a) =
+            (round(BlockKind::Serial, lengths[serial]), round(BlockKind::Ahead, lengths[ahead]));
         let (ws, wa) = if s.p_hit > 0.0 { (1.0 - a.p_hit, s.p_hit) } else { (1.0, 0.0) };
-        let rate = (ws * s.expected_tokens + wa * a.expected_tokens) / (ws * s.round_time_s + wa * a.round_time_s);
-        let ahead_worth =
-            if a.p_hit < 1.0 { (a.expected_tokens - rate * a.round_time_s) / (1.0 - a.p_hit) } else { (rate * s.round_time_s - s.expected_tokens) / s.p_hit };
-        let verifier = (ws * self.verify_time(serial + 1) + wa * self.verify_time(ahead + 1)) / (ws * s.expected_tokens + wa * a.expected_tokens);
-        Policy { serial: s, ahead: a, rate, ahead_worth, serial_share: ws / (ws + wa), verifier_s_per_token: verifier }
+        let rate = (ws * s.expected_tokens + wa * a.expected_tokens)
+            / (ws * s.round_time_s + wa * a.round_time_s);
+        let ahead_worth = if a.p_hit < 1.0 {
+            (a.expected_tokens - rate * a.round_time_s) / (1.0 - a.p_hit)
+        } else {
+            (rate * s.round_time_s - s.expected_tokens) / s.p_hit
+        };
+        let verifier = (ws * self.verify_time(serial + 1) + wa * self.verify_time(ahead + 1))
+            / (ws * s.expected_tokens + wa * a.expected_tokens);
+        Policy {
+            serial: s,
+            ahead: a,
+            rate,
+            ahead_worth,
+            serial_share: ws / (ws + wa),
+            verifier_s_per_token: verifier,
+        }
     }
 }
 
@@ -130,11 +159,19 @@ impl Policy {
     /// How much `block` of `kind` is worth to this policy, in tokens: its expected tokens less the
     /// round's time at the policy's rate, plus the worth of drafting the next block ahead when it is a hit.
     pub(super) fn value(&self, estimates: &Estimates, kind: BlockKind, block: &Candidate) -> f64 {
-        let p_hit = if self.ahead.drafted > 0 { block.all_accepted * estimates.beta.value } else { 0.0 };
-        let mut time = estimates.round_time_of(kind, block.drafted, p_hit, estimates.ahead_drafting_s(self.ahead.drafted));
+        let p_hit =
+            if self.ahead.drafted > 0 { block.all_accepted * estimates.beta.value } else { 0.0 };
+        let mut time = estimates.round_time_of(
+            kind,
+            block.drafted,
+            p_hit,
+            estimates.ahead_drafting_s(self.ahead.drafted),
+        );
         if kind == BlockKind::Ahead {
             // Drafting past the policy's length may outlast the call it was drafted under.
-            time += (estimates.ahead_drafting_s(block.drafted) - estimates.ahead_drafting_s(self.ahead.drafted)).max(0.0);
+            time += (estimates.ahead_drafting_s(block.drafted)
+                - estimates.ahead_drafting_s(self.ahead.drafted))
+            .max(0.0);
         }
         block.expected_tokens - self.rate * time + p_hit * self.ahead_worth
     }
@@ -159,24 +196,52 @@ mod tests {
 
     #[test]
     fn expected_tokens_and_round_time_match_hand_computed_values() {
-        let e = Estimates { alpha: [0.9, 0.8, 0.5].map(known).to_vec(), beta: Rate::prior(0.6), ..est(0.0, 30.0, 50.0, 80.0, 8.0) };
+        let e = Estimates {
+            alpha: [0.9, 0.8, 0.5].map(known).to_vec(),
+            beta: Rate::prior(0.6),
+            ..est(0.0, 30.0, 50.0, 80.0, 8.0)
+        };
         let tokens: Vec<f64> = (0..=3).map(|d| e.expected_tokens(d)).collect();
-        assert!(tokens.iter().zip([1.0, 1.9, 2.62, 2.98]).all(|(&x, want)| close(x, want)), "{tokens:?}");
+        assert!(
+            tokens.iter().zip([1.0, 1.9, 2.62, 2.98]).all(|(&x, want)| close(x, want)),
+            "{tokens:?}"
+        );
         assert!(close(e.round_time(0, true), 0.138) && close(e.round_time(0, false), 0.138));
         assert!(close(e.round_time(2, false), 0.214));
         // P_hit = 0.72 * 0.6; the call (0.154 s) outlasts drafting 3 (0.09 s).
-        assert!(close(e.round_time(2, true), 0.432 * 0.154 + 0.568 * 0.214), "{}", e.round_time(2, true));
+        assert!(
+            close(e.round_time(2, true), 0.432 * 0.154 + 0.568 * 0.214),
+            "{}",
+            e.round_time(2, true)
+        );
         // Slow drafting: a hit is bounded by drafting the guess and the next block, 2 * 0.2 s.
         let slow = Estimates { t_draft_s: 0.2, ..e.clone() };
-        assert!(close(slow.round_time(1, true), 0.54 * 0.4 + 0.46 * 0.346), "{}", slow.round_time(1, true));
+        assert!(
+            close(slow.round_time(1, true), 0.54 * 0.4 + 0.46 * 0.346),
+            "{}",
+            slow.round_time(1, true)
+        );
         // Nothing drafted after a miss, 2 drafted ahead: a round of 0 (0.138 s) hits with the guess's 0.6, a
         // block drafted ahead (0.154 s, 2.62 tokens) with 0.72 * 0.6; drafting ahead (0.09 s) outlasts neither call.
         let policy = e.evaluate(&e.lengths(2), 0, 2);
         let (serial_share, ahead_share) = (1.0 - 0.432, 0.6);
-        let rate = (serial_share + ahead_share * 2.62) / (serial_share * 0.138 + ahead_share * 0.154);
-        assert!(close(policy.rate, rate) && close(policy.serial.p_hit, 0.6) && close(policy.ahead.p_hit, 0.432), "{policy:?}");
+        let rate =
+            (serial_share + ahead_share * 2.62) / (serial_share * 0.138 + ahead_share * 0.154);
+        assert!(
+            close(policy.rate, rate)
+                && close(policy.serial.p_hit, 0.6)
+                && close(policy.ahead.p_hit, 0.432),
+            "{policy:?}"
+        );
         // Worth of starting a round with a block drafted ahead: its tokens less its time at that rate, over its misses.
         assert!(close(policy.ahead_worth, (2.62 - rate * 0.154) / (1.0 - 0.432)), "{policy:?}");
-        assert!(close(policy.serial.expected_tokens - rate * policy.serial.round_time_s + 0.6 * policy.ahead_worth, 0.0), "{policy:?}");
+        assert!(
+            close(
+                policy.serial.expected_tokens - rate * policy.serial.round_time_s
+                    + 0.6 * policy.ahead_worth,
+                0.0
+            ),
+            "{policy:?}"
+        );
     }
 }

@@ -23,7 +23,8 @@ const MAX_VERIFY_SAMPLE_RATIO: f64 = 1.15;
 /// size shares at [`TIME_GAIN`] and its own size's time at 0.05, so a size that met a few slow calls does
 /// not look costly until it is drafted again, which its cost would keep it from (measured: see
 /// docs/benchmarks.md, adaptive draft length).
-pub(super) const VERIFY_GAINS: Gains = Gains { pace: TIME_GAIN, shape: 0.05, max_ratio: MAX_VERIFY_SAMPLE_RATIO };
+pub(super) const VERIFY_GAINS: Gains =
+    Gains { pace: TIME_GAIN, shape: 0.05, max_ratio: MAX_VERIFY_SAMPLE_RATIO };
 
 /// Exponentially decayed sums of the weighted least-squares fit `V(rows) = a + b * rows`.
 #[derive(Clone, Debug, Default)]
@@ -48,7 +49,9 @@ impl Estimates {
         let above = (rows..self.verify_by_rows.len()).find_map(measured);
         let b = self.verify_b_s;
         match (below, above) {
-            (Some((r0, v0)), Some((r1, v1))) if r1 > r0 => v0 + (v1 - v0) * (rows - r0) as f64 / (r1 - r0) as f64,
+            (Some((r0, v0)), Some((r1, v1))) if r1 > r0 => {
+                v0 + (v1 - v0) * (rows - r0) as f64 / (r1 - r0) as f64
+            }
             (Some((r0, v0)), _) => v0 + b * (rows - r0) as f64,
             (None, Some((r1, v1))) => (v1 - b * (r1 - rows) as f64).max(0.0),
             (None, None) => self.verify_a_s + b * rows as f64,
@@ -117,7 +120,10 @@ fn never_falling(points: Vec<(usize, f64)>) -> Vec<(usize, f64)> {
         let mut run = (value, 1);
         while let Some((mean, count)) = runs.last().copied().filter(|&(mean, _)| mean > run.0) {
             runs.pop();
-            run = ((mean * count as f64 + run.0 * run.1 as f64) / (count + run.1) as f64, count + run.1);
+            run = (
+                (mean * count as f64 + run.0 * run.1 as f64) / (count + run.1) as f64,
+                count + run.1,
+            );
         }
         runs.push(run);
     }
@@ -172,14 +178,26 @@ mod tests {
         let mut e = Estimates::default();
         for drafted in [0, 3, 7, 1, 5, 2, 6, 4, 0, 8].into_iter().cycle().take(40) {
             let v = 0.05 + 0.012 * (drafted + 1) as f64;
-            e.observe(&RoundObservation { drafted, accepted: drafted, verifier_time: Some(Duration::from_secs_f64(v)), ..Default::default() });
+            e.observe(&RoundObservation {
+                drafted,
+                accepted: drafted,
+                verifier_time: Some(Duration::from_secs_f64(v)),
+                ..Default::default()
+            });
         }
         assert!((e.verify_a_s - 0.05).abs() < 1e-6 && (e.verify_b_s - 0.012).abs() < 1e-7, "{e:?}");
         let mut same = Estimates::default();
         for _ in 0..20 {
-            same.observe(&RoundObservation { drafted: 4, verifier_time: Some(Duration::from_millis(200)), ..Default::default() });
+            same.observe(&RoundObservation {
+                drafted: 4,
+                verifier_time: Some(Duration::from_millis(200)),
+                ..Default::default()
+            });
         }
-        assert!(close(same.verify_b_s, 0.008) && close(same.verify_a_s, 0.2 - 5.0 * 0.008), "{same:?}");
+        assert!(
+            close(same.verify_b_s, 0.008) && close(same.verify_a_s, 0.2 - 5.0 * 0.008),
+            "{same:?}"
+        );
     }
 
     #[test]
@@ -190,53 +208,91 @@ mod tests {
         let prior_choice = DraftController::new(8, true, e.clone()).choice().draft_ahead;
         assert_eq!(e.seed_verifier_passes(&cpu), 9);
         // The fit is pulled a little towards the prior slope (FIT_RIDGE).
-        assert!((e.verify_a_s - 0.010).abs() < 2e-4 && (e.verify_b_s - 0.040).abs() < 1e-4, "{e:?}");
+        assert!(
+            (e.verify_a_s - 0.010).abs() < 2e-4 && (e.verify_b_s - 0.040).abs() < 1e-4,
+            "{e:?}"
+        );
         assert!(close(e.verify_time(5), 0.210) && (e.verify_time(12) - 0.490).abs() < 1e-3);
         // The prior (8 ms a row) sends long blocks at RTT 0; the verifier's own times do not.
         let seeded_choice = DraftController::new(8, true, e.clone()).choice().draft_ahead;
         assert!(seeded_choice < prior_choice, "prior {prior_choice}, seeded {seeded_choice}");
         // What the gateway measured stays; a later seed fills only sizes it has not timed.
-        e.observe(&RoundObservation { drafted: 1, accepted: 1, verifier_time: Some(Duration::from_millis(150)), ..Default::default() });
+        e.observe(&RoundObservation {
+            drafted: 1,
+            accepted: 1,
+            verifier_time: Some(Duration::from_millis(150)),
+            ..Default::default()
+        });
         let (measured, a, b) = (e.verify_time(2), e.verify_a_s, e.verify_b_s);
         assert_eq!(e.seed_verifier_passes(&[0.5; 9]), 0);
-        assert!(close(e.verify_time(2), measured) && close(e.verify_time(3), 0.130 * e.verify_by_rows.pace()), "{e:?}");
+        assert!(
+            close(e.verify_time(2), measured)
+                && close(e.verify_time(3), 0.130 * e.verify_by_rows.pace()),
+            "{e:?}"
+        );
         assert!(close(e.verify_a_s, a) && close(e.verify_b_s, b));
         // Nonsense entries are skipped, not learned.
         let mut odd = Estimates::default();
         assert_eq!(odd.seed_verifier_passes(&[f64::NAN, -1.0, 0.0, f64::INFINITY, 1e9]), 0);
-        assert!(odd.verify_by_rows.is_empty() && odd.fit.w == 0.0 && close(odd.verify_b_s, 0.008), "{odd:?}");
+        assert!(
+            odd.verify_by_rows.is_empty() && odd.fit.w == 0.0 && close(odd.verify_b_s, 0.008),
+            "{odd:?}"
+        );
     }
 
     #[test]
     fn the_verifiers_pass_times_are_seeded_as_never_falling_with_rows() {
-        let fit = |values: &[f64]| never_falling(values.iter().enumerate().map(|(i, &v)| (i + 1, v)).collect()).into_iter().map(|(_, v)| v).collect::<Vec<_>>();
+        let fit = |values: &[f64]| {
+            never_falling(values.iter().enumerate().map(|(i, &v)| (i + 1, v)).collect())
+                .into_iter()
+                .map(|(_, v)| v)
+                .collect::<Vec<_>>()
+        };
         assert_eq!(fit(&[1.0, 2.0, 2.0, 3.0]), vec![1.0, 2.0, 2.0, 3.0]);
         assert_eq!(fit(&[1.0, 4.0, 2.0, 3.0, 5.0]), vec![1.0, 3.0, 3.0, 3.0, 5.0]);
         assert_eq!(fit(&[3.0, 2.0, 1.0]), vec![2.0, 2.0, 2.0]);
         assert!(fit(&[]).is_empty());
         // A verifier's pass times as one benchmark gateway was seeded with them (milliseconds).
         let mut e = Estimates::default();
-        let seeded: Vec<f64> = [95.0, 161.0, 244.0, 231.0, 322.0, 399.0, 479.0, 457.0, 493.0].map(|ms| ms / 1e3).to_vec();
+        let seeded: Vec<f64> = [95.0, 161.0, 244.0, 231.0, 322.0, 399.0, 479.0, 457.0, 493.0]
+            .map(|ms| ms / 1e3)
+            .to_vec();
         assert_eq!(e.seed_verifier_passes(&seeded), 9);
         let v: Vec<f64> = (1..=9).map(|rows| e.verify_time(rows)).collect();
-        assert!(close(v[2], 0.2375) && close(v[3], 0.2375) && close(v[6], 0.468) && close(v[7], 0.468), "{v:?}");
+        assert!(
+            close(v[2], 0.2375) && close(v[3], 0.2375) && close(v[6], 0.468) && close(v[7], 0.468),
+            "{v:?}"
+        );
         assert!(close(v[0], 0.095) && close(v[4], 0.322) && close(v[8], 0.493), "{v:?}");
         // Skipped entries leave the sizes around them in order of rows.
         let mut gaps = Estimates::default();
         assert_eq!(gaps.seed_verifier_passes(&[0.1, f64::NAN, 0.3, 0.2]), 3);
-        assert!(close(gaps.verify_time(3), 0.25) && close(gaps.verify_time(4), 0.25) && close(gaps.verify_time(2), 0.175), "{gaps:?}");
+        assert!(
+            close(gaps.verify_time(3), 0.25)
+                && close(gaps.verify_time(4), 0.25)
+                && close(gaps.verify_time(2), 0.175),
+            "{gaps:?}"
+        );
     }
 
     #[test]
     fn one_slow_call_does_not_make_its_block_size_costly_for_good() {
         let mut e = Estimates::default();
         e.seed_verifier_passes(&[0.05, 0.10, 0.15, 0.16, 0.17]);
-        let slow = RoundObservation { drafted: 4, accepted: 4, verifier_time: Some(Duration::from_millis(250)), ..Default::default() };
+        let slow = RoundObservation {
+            drafted: 4,
+            accepted: 4,
+            verifier_time: Some(Duration::from_millis(250)),
+            ..Default::default()
+        };
         e.observe(&slow);
         // Read as 15% over the size's time, not 47%, and mostly as the verifier's pace: every size
         // moves about as much, so the slow size does not look costlier than its neighbours.
         let pace = 1.0 + TIME_GAIN * 0.15;
-        assert!(close(e.verify_by_rows.pace(), pace) && close(e.verify_time(4), 0.16 * pace), "{e:?}");
+        assert!(
+            close(e.verify_by_rows.pace(), pace) && close(e.verify_time(4), 0.16 * pace),
+            "{e:?}"
+        );
         assert!(e.verify_time(5) > 0.17 * pace && e.verify_time(5) < 0.17 * pace * 1.01, "{e:?}");
         // A verifier that stays slower is believed within a few more calls.
         for _ in 0..8 {
@@ -252,7 +308,12 @@ mod tests {
         let mut e = Estimates::default();
         e.seed_verifier_passes(&[0.10, 0.16, 0.21, 0.25, 0.29]);
         let call = |e: &mut Estimates, drafted: usize, seconds: f64| {
-            e.observe(&RoundObservation { drafted, accepted: drafted, verifier_time: Some(Duration::from_secs_f64(seconds)), ..Default::default() })
+            e.observe(&RoundObservation {
+                drafted,
+                accepted: drafted,
+                verifier_time: Some(Duration::from_secs_f64(seconds)),
+                ..Default::default()
+            })
         };
         call(&mut e, 3, 0.35);
         call(&mut e, 3, 0.35);
@@ -271,7 +332,12 @@ mod tests {
         // A CPU verifier: one pass over the weights up to 6 rows (200 ms + 40 ms a row), two beyond.
         let v = |rows: usize| 0.2 + 0.04 * rows as f64 + if rows > 6 { 0.25 } else { 0.0 };
         let observe = |e: &mut Estimates, drafted: usize| {
-            e.observe(&RoundObservation { drafted, accepted: drafted, verifier_time: Some(Duration::from_secs_f64(v(drafted + 1))), ..Default::default() })
+            e.observe(&RoundObservation {
+                drafted,
+                accepted: drafted,
+                verifier_time: Some(Duration::from_secs_f64(v(drafted + 1))),
+                ..Default::default()
+            })
         };
         let mut e = est(0.95, 30.0, 0.0, 80.0, 8.0);
         for drafted in [2, 6, 2, 2, 3] {
@@ -280,13 +346,20 @@ mod tests {
         // Sizes seen are their own measurements; between them, interpolated; beyond, the fit's slope.
         assert!(close(e.verify_time(3), v(3)) && close(e.verify_time(7), v(7)), "{e:?}");
         assert!(close(e.verify_time(5), v(4) + (v(7) - v(4)) / 3.0), "{}", e.verify_time(5));
-        assert!(close(e.verify_time(9), v(7) + 2.0 * e.verify_b_s) && close(e.verify_time(1), v(3) - 2.0 * e.verify_b_s));
+        assert!(
+            close(e.verify_time(9), v(7) + 2.0 * e.verify_b_s)
+                && close(e.verify_time(1), v(3) - 2.0 * e.verify_b_s)
+        );
         // Once every size is seen, the choice is the longest block of one pass (hand-computed with
         // alpha 0.95: 10.18 tokens/s at d = 5, 7.26 at d = 6).
         for drafted in (1..=6).cycle().take(30) {
             observe(&mut e, drafted);
         }
         let e = Estimates { alpha: vec![Rate::prior(0.95)], ..e };
-        assert_eq!(DraftController::with_estimates(8, true, e.clone()).choose(BlockKind::Serial), 5, "{e:?}");
+        assert_eq!(
+            DraftController::with_estimates(8, true, e.clone()).choose(BlockKind::Serial),
+            5,
+            "{e:?}"
+        );
     }
 }

@@ -34,7 +34,8 @@ impl CandleScorer {
         let meta = gguf.meta()?;
         let model = Transformer::load(&mut gguf)?;
         let width = model.vocab_size() as u32;
-        let meta = ModelMeta { vocab_size: width, text_tokens: meta.text_tokens.min(width), ..meta };
+        let meta =
+            ModelMeta { vocab_size: width, text_tokens: meta.text_tokens.min(width), ..meta };
         Ok(Self { model: Arc::new(model), meta, vocabulary: LazyVocabulary::new(path) })
     }
 
@@ -55,7 +56,12 @@ impl Scorer for CandleScorer {
     }
 
     fn new_session(&self) -> Box<dyn ScoreSession> {
-        Box::new(CandleSession { cache: self.model.new_cache(), model: self.model.clone(), tokens: Vec::new(), meta: self.meta.clone() })
+        Box::new(CandleSession {
+            cache: self.model.new_cache(),
+            model: self.model.clone(),
+            tokens: Vec::new(),
+            meta: self.meta.clone(),
+        })
     }
 
     fn vocabulary(&self) -> Result<&Vocabulary, EngineError> {
@@ -68,13 +74,20 @@ impl Scorer for CandleScorer {
         let mut joined: Vec<(usize, &mut CandleSession, &[u32], usize)> = Vec::new();
         for (i, job) in jobs.iter_mut().enumerate() {
             let step = job.finishes().and_then(|finishes| {
-                let session = job.session.as_any_mut().and_then(|s| s.downcast_mut::<CandleSession>());
-                let session = session.ok_or_else(|| EngineError::InvalidRequest("a session of another scorer".into()))?;
+                let session =
+                    job.session.as_any_mut().and_then(|s| s.downcast_mut::<CandleSession>());
+                let session = session.ok_or_else(|| {
+                    EngineError::InvalidRequest("a session of another scorer".into())
+                })?;
                 if !Arc::ptr_eq(&session.model, &self.model) {
                     return Err(EngineError::InvalidRequest("a session of another model".into()));
                 }
                 let keep = session.begin(job.tokens, job.n_logits)?;
-                Ok((session, &job.tokens[keep..keep + job.rows], if finishes { job.n_logits } else { 0 }))
+                Ok((
+                    session,
+                    &job.tokens[keep..keep + job.rows],
+                    if finishes { job.n_logits } else { 0 },
+                ))
             });
             match step {
                 Ok((session, new, n)) => {
@@ -85,7 +98,10 @@ impl Scorer for CandleScorer {
             }
         }
         let n_logits: Vec<usize> = joined.iter().map(|j| j.3).collect();
-        let mut parts: Vec<Part<'_>> = joined.iter_mut().map(|(_, s, new, _)| Part { cache: &mut s.cache, tokens: new }).collect();
+        let mut parts: Vec<Part<'_>> = joined
+            .iter_mut()
+            .map(|(_, s, new, _)| Part { cache: &mut s.cache, tokens: new })
+            .collect();
         let logits = self.model.forward_batch(&mut parts, &n_logits);
         drop(parts);
         for ((i, session, new, n), logits) in joined.into_iter().zip(logits) {
@@ -112,10 +128,16 @@ impl CandleSession {
     /// the `n_logits` last, which are recomputed for their logits); returns the positions kept.
     fn begin(&mut self, tokens: &[u32], n_logits: usize) -> Result<usize, EngineError> {
         if n_logits == 0 || n_logits > tokens.len() {
-            return Err(EngineError::InvalidRequest(format!("asked for {n_logits} logit rows of a {}-token sequence", tokens.len())));
+            return Err(EngineError::InvalidRequest(format!(
+                "asked for {n_logits} logit rows of a {}-token sequence",
+                tokens.len()
+            )));
         }
         if tokens.len() > self.meta.max_context as usize {
-            return Err(EngineError::ContextTooLong { len: tokens.len(), max: self.meta.max_context as usize });
+            return Err(EngineError::ContextTooLong {
+                len: tokens.len(),
+                max: self.meta.max_context as usize,
+            });
         }
         if let Some(&token) = tokens.iter().find(|&&t| t >= self.meta.vocab_size) {
             return Err(EngineError::TokenOutOfVocab { token, vocab_size: self.meta.vocab_size });
@@ -158,6 +180,11 @@ impl ScoreSession for CandleSession {
     fn fork(&self, len: usize) -> Option<Box<dyn ScoreSession>> {
         let len = len.min(self.tokens.len());
         let cache = self.model.copy_prefix(&self.cache, len);
-        Some(Box::new(CandleSession { model: self.model.clone(), cache, tokens: self.tokens[..len].to_vec(), meta: self.meta.clone() }))
+        Some(Box::new(CandleSession {
+            model: self.model.clone(),
+            cache,
+            tokens: self.tokens[..len].to_vec(),
+            meta: self.meta.clone(),
+        }))
     }
 }

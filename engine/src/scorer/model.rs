@@ -115,7 +115,11 @@ impl KvCache {
             out.extend_from_slice(&v[..len * row]);
             out
         };
-        Self { keys: self.keys.iter().map(copy).collect(), values: self.values.iter().map(copy).collect(), len }
+        Self {
+            keys: self.keys.iter().map(copy).collect(),
+            values: self.values.iter().map(copy).collect(),
+            len,
+        }
     }
 }
 
@@ -134,13 +138,19 @@ impl Loader<'_> {
 
     fn qweight(&mut self, name: &str) -> Result<QWeight, EngineError> {
         let g = &mut *self.gguf;
-        let t = g.content.tensor(&mut g.file, name, &Device::Cpu).map_err(|e| EngineError::load(&g.path, e))?;
+        let t = g
+            .content
+            .tensor(&mut g.file, name, &Device::Cpu)
+            .map_err(|e| EngineError::load(&g.path, e))?;
         QWeight::from_qtensor(&t)
     }
 
     fn vector(&mut self, name: &str) -> Result<Vec<f32>, EngineError> {
         let g = &mut *self.gguf;
-        let t = g.content.tensor(&mut g.file, name, &Device::Cpu).map_err(|e| EngineError::load(&g.path, e))?;
+        let t = g
+            .content
+            .tensor(&mut g.file, name, &Device::Cpu)
+            .map_err(|e| EngineError::load(&g.path, e))?;
         Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
@@ -159,26 +169,51 @@ impl Transformer {
         let rope_style = match arch.as_str() {
             "llama" | "mistral" => RopeStyle::Interleaved,
             "qwen2" => RopeStyle::Neox,
-            other => return Err(EngineError::Unsupported(format!("architecture {other} (the scorer supports llama and qwen2)"))),
+            other => {
+                return Err(EngineError::Unsupported(format!(
+                    "architecture {other} (the scorer supports llama and qwen2)"
+                )))
+            }
         };
         let key = |k: &str| format!("{arch}.{k}");
         let hidden = gguf.u32(&key("embedding_length"))? as usize;
         let n_heads = gguf.u32(&key("attention.head_count"))? as usize;
-        let n_kv_heads = gguf.u32(&key("attention.head_count_kv")).map(|x| x as usize).unwrap_or(n_heads);
-        let head_dim = gguf.u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads);
-        let rope_dim = gguf.u32(&key("rope.dimension_count")).map(|x| x as usize).unwrap_or(head_dim);
+        let n_kv_heads =
+            gguf.u32(&key("attention.head_count_kv")).map(|x| x as usize).unwrap_or(n_heads);
+        let head_dim =
+            gguf.u32(&key("attention.key_length")).map(|x| x as usize).unwrap_or(hidden / n_heads);
+        let rope_dim =
+            gguf.u32(&key("rope.dimension_count")).map(|x| x as usize).unwrap_or(head_dim);
         let theta = gguf.f32(&key("rope.freq_base")).unwrap_or(10_000.0) as f64;
         let n_layers = gguf.u32(&key("block_count"))? as usize;
         let eps = gguf.f32(&key("attention.layer_norm_rms_epsilon"))?;
-        if !n_heads.is_multiple_of(n_kv_heads) || rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
-            return Err(EngineError::Unsupported(format!("head layout {n_heads}/{n_kv_heads}/{head_dim}/{rope_dim}")));
+        if !n_heads.is_multiple_of(n_kv_heads) || rope_dim > head_dim || !rope_dim.is_multiple_of(2)
+        {
+            return Err(EngineError::Unsupported(format!(
+                "head layout {n_heads}/{n_kv_heads}/{head_dim}/{rope_dim}"
+            )));
         }
 
         let mut ld = Loader { gguf };
         // Llama 3.1 rope scaling is stored by llama.cpp as per-pair frequency divisors.
         let factors = ld.optional_vector("rope_freqs.weight")?;
-        let inv_freq = (0..rope_dim / 2).map(|i| theta.powf(-((2 * i) as f64) / rope_dim as f64) / factors.as_ref().map_or(1.0, |f| f[i] as f64)).collect();
-        let cfg = Config { n_layers, hidden, n_heads, n_kv_heads, head_dim, rope_dim, rope_style, inv_freq, eps };
+        let inv_freq = (0..rope_dim / 2)
+            .map(|i| {
+                theta.powf(-((2 * i) as f64) / rope_dim as f64)
+                    / factors.as_ref().map_or(1.0, |f| f[i] as f64)
+            })
+            .collect();
+        let cfg = Config {
+            n_layers,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            rope_dim,
+            rope_style,
+            inv_freq,
+            eps,
+        };
 
         let mut layers = Vec::with_capacity(n_layers);
         for i in 0..n_layers {
@@ -199,11 +234,16 @@ impl Transformer {
             });
         }
         let embed = ld.qweight("token_embd.weight")?;
-        let lm_head = if ld.has("output.weight") { Some(ld.qweight("output.weight")?) } else { None };
+        let lm_head =
+            if ld.has("output.weight") { Some(ld.qweight("output.weight")?) } else { None };
         let out_norm = ld.vector("output_norm.weight")?;
         let model = Self { cfg, embed, layers, out_norm, lm_head };
-        if model.layers[0].wq.out_features() != n_heads * head_dim || model.embed.in_features() != hidden {
-            return Err(EngineError::Unsupported("tensor shapes disagree with the metadata".into()));
+        if model.layers[0].wq.out_features() != n_heads * head_dim
+            || model.embed.in_features() != hidden
+        {
+            return Err(EngineError::Unsupported(
+                "tensor shapes disagree with the metadata".into(),
+            ));
         }
         Ok(model)
     }
@@ -218,7 +258,11 @@ impl Transformer {
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache { keys: vec![Vec::new(); self.cfg.n_layers], values: vec![Vec::new(); self.cfg.n_layers], len: 0 }
+        KvCache {
+            keys: vec![Vec::new(); self.cfg.n_layers],
+            values: vec![Vec::new(); self.cfg.n_layers],
+            len: 0,
+        }
     }
 
     fn kv_row(&self) -> usize {
@@ -291,8 +335,10 @@ impl Transformer {
     fn forward_rows(&self, parts: &mut [Part<'_>]) -> Vec<f32> {
         let cfg = &self.cfg;
         let m: usize = parts.iter().map(|p| p.tokens.len()).sum();
-        let mut x: Vec<f32> = parts.iter().flat_map(|p| p.tokens).flat_map(|&t| self.embed.row(t as usize)).collect();
-        let ropes: Vec<RopeTable> = parts.iter().map(|p| RopeTable::new(cfg, p.cache.len, p.tokens.len())).collect();
+        let mut x: Vec<f32> =
+            parts.iter().flat_map(|p| p.tokens).flat_map(|&t| self.embed.row(t as usize)).collect();
+        let ropes: Vec<RopeTable> =
+            parts.iter().map(|p| RopeTable::new(cfg, p.cache.len, p.tokens.len())).collect();
         let (q_row, kv_row) = (cfg.n_heads * cfg.head_dim, self.kv_row());
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm_rows(&x, &layer.attn_norm, cfg.eps);
@@ -306,8 +352,11 @@ impl Transformer {
             let mut row0 = 0;
             for (part, rope) in parts.iter_mut().zip(&ropes) {
                 let rows = part.tokens.len();
-                let (q, k, v) =
-                    (&mut q[row0 * q_row..(row0 + rows) * q_row], &mut k[row0 * kv_row..(row0 + rows) * kv_row], &v[row0 * kv_row..(row0 + rows) * kv_row]);
+                let (q, k, v) = (
+                    &mut q[row0 * q_row..(row0 + rows) * q_row],
+                    &mut k[row0 * kv_row..(row0 + rows) * kv_row],
+                    &v[row0 * kv_row..(row0 + rows) * kv_row],
+                );
                 rope.apply(q, cfg.n_heads, cfg);
                 rope.apply(k, cfg.n_kv_heads, cfg);
                 let cache = &mut *part.cache;
@@ -328,7 +377,8 @@ impl Transformer {
             let h = rms_norm_rows(&x, &layer.ffn_norm, cfg.eps);
             let gate = layer.w_gate.forward(&h, m);
             let up = layer.w_up.forward(&h, m);
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| g / (1.0 + fastmath::exp(-g)) * u).collect();
+            let act: Vec<f32> =
+                gate.iter().zip(&up).map(|(&g, &u)| g / (1.0 + fastmath::exp(-g)) * u).collect();
             let down = layer.w_down.forward(&act, m);
             add_into(&mut x, &down);
         }
@@ -412,7 +462,10 @@ impl RopeTable {
     fn apply(&self, x: &mut [f32], n_heads: usize, cfg: &Config) {
         let hd = cfg.head_dim;
         for (r, row) in x.chunks_mut(n_heads * hd).enumerate() {
-            let (cos, sin) = (&self.cos[r * self.half..(r + 1) * self.half], &self.sin[r * self.half..(r + 1) * self.half]);
+            let (cos, sin) = (
+                &self.cos[r * self.half..(r + 1) * self.half],
+                &self.sin[r * self.half..(r + 1) * self.half],
+            );
             for head in row.chunks_mut(hd) {
                 for i in 0..self.half {
                     let (a, b) = match cfg.rope_style {
@@ -430,7 +483,14 @@ impl RopeTable {
 
 /// Causal attention of `m` new rows (positions `start..start+m`) over the cache, one task per
 /// (row, head); grouped-query heads share kv heads.
-fn attention(cfg: &Config, q: &[f32], keys: &[f32], values: &[f32], start: usize, m: usize) -> Vec<f32> {
+fn attention(
+    cfg: &Config,
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    start: usize,
+    m: usize,
+) -> Vec<f32> {
     let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -440,7 +500,8 @@ fn attention(cfg: &Config, q: &[f32], keys: &[f32], values: &[f32], start: usize
         let g = h / group;
         let qv = &q[idx * hd..(idx + 1) * hd];
         let n = start + r + 1;
-        let mut scores: Vec<f32> = (0..n).map(|j| dot(qv, &keys[(j * nkv + g) * hd..][..hd]) * scale).collect();
+        let mut scores: Vec<f32> =
+            (0..n).map(|j| dot(qv, &keys[(j * nkv + g) * hd..][..hd]) * scale).collect();
         let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
         // The exponentials in a loop of their own, which vectorises; the sum in order.
         scores.iter_mut().for_each(|s| *s = fastmath::exp(*s - max));

@@ -26,7 +26,8 @@ impl<T: GgmlType> Kernel for Blocks<T> {
     fn matmul(&self, lhs: &[f32], m: usize, k: usize, n: usize, dst: &mut [f32]) {
         // The patched candle multi-row matmul (tiles of `vec_dot_rows`); it only fails on a length
         // mismatch, which `QWeight::forward` rules out.
-        candle_core::quantized::k_quants::matmul((m, k, n), lhs, &self.0, dst).expect("quantized matmul shapes");
+        candle_core::quantized::k_quants::matmul((m, k, n), lhs, &self.0, dst)
+            .expect("quantized matmul shapes");
     }
 
     fn dequantize_row(&self, row: usize, k: usize, out: &mut [f32]) {
@@ -41,7 +42,11 @@ fn blocks<T: GgmlType + 'static>(bytes: &[u8]) -> Box<dyn Kernel> {
     // SAFETY: GGUF tensor data is a packed array of `T` blocks (plain-old-data, repr(C)); the Vec
     // gives correct alignment and we copy exactly n * size_of::<T>() bytes.
     unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, n * std::mem::size_of::<T>());
+        std::ptr::copy_nonoverlapping(
+            bytes.as_ptr(),
+            v.as_mut_ptr() as *mut u8,
+            n * std::mem::size_of::<T>(),
+        );
         v.set_len(n);
     }
     Box::new(Blocks(v))
@@ -64,7 +69,9 @@ impl QWeight {
         };
         let dtype = t.dtype();
         if k % dtype.block_size() != 0 {
-            return Err(EngineError::Unsupported(format!("row length {k} is not a multiple of the {dtype:?} block")));
+            return Err(EngineError::Unsupported(format!(
+                "row length {k} is not a multiple of the {dtype:?} block"
+            )));
         }
         let data = t.data()?;
         let kernel = match dtype {
@@ -121,20 +128,31 @@ mod tests {
     fn matches_candle_qmatmul_bitwise() {
         let dev = Device::Cpu;
         let (n, k, m) = (96, 512, 5);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
+        let w: Vec<f32> =
+            (0..n * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
         let x: Vec<f32> = (0..m * k).map(|i| (i * 104729 % 997) as f32 / 498.0 - 1.0).collect();
         let wt = Tensor::from_vec(w, (n, k), &dev).unwrap();
-        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1] {
+        for dtype in
+            [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q5_0, GgmlDType::Q4_1]
+        {
             let q = QTensor::quantize(&wt, dtype).unwrap();
             let ours = QWeight::from_qtensor(&q).unwrap();
             let reference = candle_core::quantized::QMatMul::from_qtensor(q).unwrap();
             let xt = Tensor::from_vec(x.clone(), (m, k), &dev).unwrap();
-            let want: Vec<f32> = candle_core::Module::forward(&reference, &xt).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let want: Vec<f32> = candle_core::Module::forward(&reference, &xt)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             assert_eq!(ours.forward(&x, m), want, "{dtype:?}");
             // And each row alone equals that row in the block, bit for bit.
             for r in 0..m {
                 let alone = ours.forward(&x[r * k..(r + 1) * k], 1);
-                let same = alone.iter().zip(&want[r * n..(r + 1) * n]).all(|(a, b)| a.to_bits() == b.to_bits());
+                let same = alone
+                    .iter()
+                    .zip(&want[r * n..(r + 1) * n])
+                    .all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "{dtype:?} row {r} alone differs from the block");
             }
         }

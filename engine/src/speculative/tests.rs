@@ -15,9 +15,16 @@ impl Drafter for Counting {
     fn meta(&self) -> &ModelMeta {
         &self.0
     }
-    async fn draft(&self, committed: &[u32], n: usize, _: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+    async fn draft(
+        &self,
+        committed: &[u32],
+        n: usize,
+        _: &DraftParams,
+    ) -> Result<Vec<DraftToken>, EngineError> {
         let start = committed.len() as u32;
-        Ok((start..start + n as u32).map(|t| DraftToken { token: t, q: SparseDist::new(vec![(t, 1.0)], None).unwrap() }).collect())
+        Ok((start..start + n as u32)
+            .map(|t| DraftToken { token: t, q: SparseDist::new(vec![(t, 1.0)], None).unwrap() })
+            .collect())
     }
 }
 
@@ -37,7 +44,11 @@ fn scripted(accept: usize, ok_calls: usize) -> Scripted {
 
 #[async_trait::async_trait]
 impl BlockVerifier for Scripted {
-    async fn verify(&mut self, context: &[u32], drafts: &[DraftToken]) -> Result<Verified, VerifyFailure> {
+    async fn verify(
+        &mut self,
+        context: &[u32],
+        drafts: &[DraftToken],
+    ) -> Result<Verified, VerifyFailure> {
         self.calls += 1;
         if self.calls > self.ok_calls {
             return Err(VerifyFailure::Unreachable("down".into()));
@@ -63,7 +74,11 @@ fn meta() -> ModelMeta {
     }
 }
 
-fn params(max_new_tokens: usize, draft_len: usize, when_unreachable: WhenUnreachable) -> LoopParams {
+fn params(
+    max_new_tokens: usize,
+    draft_len: usize,
+    when_unreachable: WhenUnreachable,
+) -> LoopParams {
     let draft = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
     LoopParams {
         max_new_tokens,
@@ -81,7 +96,15 @@ async fn the_first_block_is_empty_and_no_block_drafts_past_the_budget() {
     let drafter = Counting(meta());
     let mut verifier = scripted(10, usize::MAX);
     let mut out = Collect::default();
-    let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params(10, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
+    let end = run(
+        Some(&drafter),
+        &mut verifier,
+        &[1, 2, 3],
+        &params(10, 4, WhenUnreachable::Fail),
+        &mut out,
+    )
+    .await
+    .unwrap();
     assert_eq!(end.finish, Finish::Length);
     assert_eq!(out.0.len(), 10);
     // 1 (empty block) + 5 (4 drafts + bonus) + 4 (3 drafts, the budget's last token as bonus).
@@ -94,12 +117,27 @@ async fn the_first_block_is_empty_and_no_block_drafts_past_the_budget() {
 async fn an_unreachable_verifier_fails_or_hands_over_to_the_draft() {
     let drafter = Counting(meta());
     let mut verifier = scripted(0, 2);
-    let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::Fail), &mut Collect::default()).await;
+    let end = run(
+        Some(&drafter),
+        &mut verifier,
+        &[1],
+        &params(40, 2, WhenUnreachable::Fail),
+        &mut Collect::default(),
+    )
+    .await;
     assert!(matches!(end, Err(LoopError::Verifier(VerifyFailure::Unreachable(_)))));
 
     let mut verifier = scripted(0, 2);
     let mut out = Collect::default();
-    let end = run(Some(&drafter), &mut verifier, &[1], &params(40, 2, WhenUnreachable::DraftAlone), &mut out).await.unwrap();
+    let end = run(
+        Some(&drafter),
+        &mut verifier,
+        &[1],
+        &params(40, 2, WhenUnreachable::DraftAlone),
+        &mut out,
+    )
+    .await
+    .unwrap();
     assert!(end.stats.degraded);
     assert_eq!((end.finish, out.0.len(), end.stats.target_calls), (Finish::Length, 40, 2));
     // After the two verified tokens, the draft's own tokens: position i drafts i.
@@ -113,7 +151,15 @@ async fn a_stop_token_ends_the_generation() {
     let mut out = Collect::default();
     // Position 4999 drafts the stop token 4999.
     let prompt: Vec<u32> = (0..4990).collect();
-    let end = run(Some(&drafter), &mut verifier, &prompt, &params(100, 4, WhenUnreachable::Fail), &mut out).await.unwrap();
+    let end = run(
+        Some(&drafter),
+        &mut verifier,
+        &prompt,
+        &params(100, 4, WhenUnreachable::Fail),
+        &mut out,
+    )
+    .await
+    .unwrap();
     assert_eq!(end.finish, Finish::StopToken);
     assert_eq!(out.0.last(), Some(&4999));
 }
@@ -131,8 +177,10 @@ async fn draft_ahead_sends_only_confirmed_blocks_and_commits_the_same_tokens() {
             async move {
                 let mut verifier = Scripted { offset, ..scripted(accept, usize::MAX) };
                 let mut out = Collect::default();
-                let params = LoopParams { draft_ahead: ahead, ..params(30, 4, WhenUnreachable::Fail) };
-                let end = run(Some(drafter), &mut verifier, &[1, 2, 3], &params, &mut out).await.unwrap();
+                let params =
+                    LoopParams { draft_ahead: ahead, ..params(30, 4, WhenUnreachable::Fail) };
+                let end =
+                    run(Some(drafter), &mut verifier, &[1, 2, 3], &params, &mut out).await.unwrap();
                 (out.0, verifier.blocks, end.stats)
             }
         };
@@ -160,7 +208,12 @@ impl Drafter for Crowded {
     fn meta(&self) -> &ModelMeta {
         self.0.meta()
     }
-    async fn draft(&self, committed: &[u32], n: usize, params: &DraftParams) -> Result<Vec<DraftToken>, EngineError> {
+    async fn draft(
+        &self,
+        committed: &[u32],
+        n: usize,
+        params: &DraftParams,
+    ) -> Result<Vec<DraftToken>, EngineError> {
         self.0.draft(committed, n, params).await
     }
     fn others_drafting(&self) -> bool {
@@ -173,8 +226,13 @@ async fn no_drafting_ahead_while_other_generations_draft() {
     let params = LoopParams { draft_ahead: true, ..params(30, 4, WhenUnreachable::Fail) };
     let (mut alone, mut crowded) = (scripted(10, usize::MAX), scripted(10, usize::MAX));
     let (mut alone_out, mut crowded_out) = (Collect::default(), Collect::default());
-    let alone_end = run(Some(&Counting(meta())), &mut alone, &[1, 2, 3], &params, &mut alone_out).await.unwrap();
-    let crowded_end = run(Some(&Crowded(Counting(meta()))), &mut crowded, &[1, 2, 3], &params, &mut crowded_out).await.unwrap();
+    let alone_end = run(Some(&Counting(meta())), &mut alone, &[1, 2, 3], &params, &mut alone_out)
+        .await
+        .unwrap();
+    let crowded_end =
+        run(Some(&Crowded(Counting(meta()))), &mut crowded, &[1, 2, 3], &params, &mut crowded_out)
+            .await
+            .unwrap();
     assert!(alone_end.stats.ahead_drafted > 0);
     assert_eq!(crowded_end.stats.ahead_drafted, 0);
     assert_eq!((crowded_out.0, crowded.blocks), (alone_out.0, alone.blocks));
@@ -199,7 +257,11 @@ impl tracing::Subscriber for Rounds {
         impl tracing::field::Visit for Field<'_> {
             fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
                 if field.name() == RoundRecord::LOG_FIELD {
-                    self.0.push(format!("DEBUG {}: {}={value:?}", RoundRecord::LOG_TARGET, field.name()));
+                    self.0.push(format!(
+                        "DEBUG {}: {}={value:?}",
+                        RoundRecord::LOG_TARGET,
+                        field.name()
+                    ));
                 }
             }
         }
@@ -219,16 +281,25 @@ async fn every_verify_call_logs_a_record_that_reads_back() {
     let drafter = Counting(meta());
     let mut verifier = scripted(2, usize::MAX);
     let params = LoopParams { draft_ahead: true, ..params(20, 4, WhenUnreachable::Fail) };
-    let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params, &mut Collect::default()).await.unwrap();
+    let end = run(Some(&drafter), &mut verifier, &[1, 2, 3], &params, &mut Collect::default())
+        .await
+        .unwrap();
     let lines = rounds.0.lock().unwrap().clone();
-    let records: Vec<RoundRecord> = lines.iter().map(|line| RoundRecord::from_log_line(line).expect(line).expect(line)).collect();
+    let records: Vec<RoundRecord> = lines
+        .iter()
+        .map(|line| RoundRecord::from_log_line(line).expect(line).expect(line))
+        .collect();
     assert_eq!(records.len(), end.stats.target_calls);
     assert_eq!(records.iter().map(|r| r.drafted).collect::<Vec<_>>(), verifier.blocks);
     assert!(records[0].first_call && records[1..].iter().all(|r| !r.first_call), "{records:?}");
     // Each round commits its accepted drafts and one token more, from the budget left before it.
     let mut remaining = 20;
     for r in &records {
-        assert_eq!((r.remaining, r.accepted, r.cap, r.max_draft, r.draft_ahead), (remaining, r.drafted.min(2), r.drafted, 4, true), "{r:?}");
+        assert_eq!(
+            (r.remaining, r.accepted, r.cap, r.max_draft, r.draft_ahead),
+            (remaining, r.drafted.min(2), r.drafted, 4, true),
+            "{r:?}"
+        );
         assert_eq!(r.confidences.len(), r.drafted);
         remaining -= r.accepted + 1;
     }

@@ -10,7 +10,9 @@ pub fn scorer(name: &str) -> CandleScorer {
 }
 
 pub async fn drafter(name: &str, options: DrafterOptions) -> MistralDrafter {
-    MistralDrafter::load(&ModelSource::Local(model_path(name)), options).await.expect("load drafter")
+    MistralDrafter::load(&ModelSource::Local(model_path(name)), options)
+        .await
+        .expect("load drafter")
 }
 
 /// KL(p || q) in nats between two logit rows at temperature 1.

@@ -32,7 +32,8 @@ async fn serve(app: axum::Router) -> Running {
 pub async fn start_verifier(scorer: FakeScorer, extra: &[&str]) -> Running {
     let mut args = vec!["spade-verifier", "--model", "fake.gguf", "--api-key", "vkey"];
     args.extend_from_slice(extra);
-    let verifier = Arc::new(spade_verifier::Verifier::new(&spade_verifier::Config::parse_from(args)));
+    let verifier =
+        Arc::new(spade_verifier::Verifier::new(&spade_verifier::Config::parse_from(args)));
     verifier.load_model(Arc::new(scorer), Default::default()).expect("scoring thread");
     serve(spade_verifier::router(verifier)).await
 }
@@ -43,12 +44,17 @@ pub async fn start_gateway(verifier_url: &str, extra: &[&str]) -> Running {
         args.extend(["--verifier-api-key", "vkey"]);
     }
     args.extend_from_slice(extra);
-    let gateway = Arc::new(spade_gateway::Gateway::new(&spade_gateway::Config::parse_from(args)).unwrap());
+    let gateway =
+        Arc::new(spade_gateway::Gateway::new(&spade_gateway::Config::parse_from(args)).unwrap());
     gateway.draft_model.set(FakeEdge::new());
     serve(spade_gateway::router(gateway)).await
 }
 
 /// Parses an SSE body into its `data:` payloads.
 pub fn sse_data(body: &str) -> Vec<String> {
-    body.split("\n\n").filter_map(|event| event.lines().find_map(|l| l.strip_prefix("data: ")).map(str::to_string)).collect()
+    body.split("\n\n")
+        .filter_map(|event| {
+            event.lines().find_map(|l| l.strip_prefix("data: ")).map(str::to_string)
+        })
+        .collect()
 }

@@ -22,7 +22,12 @@ fn verifier_bin() -> PathBuf {
 
 /// Status and body of `/health` (0 where nothing answers).
 pub async fn health(url: &str) -> (u16, Value) {
-    match reqwest::Client::new().get(format!("{url}/health")).timeout(Duration::from_secs(10)).send().await {
+    match reqwest::Client::new()
+        .get(format!("{url}/health"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+    {
         Ok(r) => (r.status().as_u16(), r.json().await.unwrap_or(Value::Null)),
         Err(_) => (0, Value::Null),
     }
@@ -51,10 +56,21 @@ pub async fn start_verifier() -> Server {
 pub async fn spawn_gateway(verifier: &str, extra: &[&str], wait: bool) -> Server {
     let tiny = tiny();
     let mut args = vec!["--verifier-url", verifier];
-    let defaults = [("--draft-model", tiny.to_str().unwrap()), ("--log", "warn"), ("--verify-retries", "1"), ("--connect-timeout-secs", "2")];
+    let defaults = [
+        ("--draft-model", tiny.to_str().unwrap()),
+        ("--log", "warn"),
+        ("--verify-retries", "1"),
+        ("--connect-timeout-secs", "2"),
+    ];
     args.extend(unless_given(extra, &defaults));
     args.extend_from_slice(extra);
-    let gateway = Server::spawn(PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).as_path(), "gateway", 0, &args, &[("SPADE_VERIFIER_API_KEY", KEY)]);
+    let gateway = Server::spawn(
+        PathBuf::from(env!("CARGO_BIN_EXE_spade-gateway")).as_path(),
+        "gateway",
+        0,
+        &args,
+        &[("SPADE_VERIFIER_API_KEY", KEY)],
+    );
     if wait {
         gateway.wait_ready().await;
     }
@@ -73,7 +89,12 @@ pub fn request(prompt: &str, max_tokens: usize, extra: Value) -> Value {
 
 /// Status and parsed body of a non-streamed call.
 pub async fn post(url: &str, body: &Value) -> (u16, Value) {
-    let r = reqwest::Client::new().post(format!("{url}/v1/chat/completions")).json(body).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
@@ -97,8 +118,10 @@ pub struct Streamed {
 }
 
 pub fn parse_sse(status: u16, body: &str) -> Streamed {
-    let mut s = Streamed { status, text: String::new(), finish: None, end: Err(Value::Null), usage: None };
-    for data in body.split("\n\n").filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: "))) {
+    let mut s =
+        Streamed { status, text: String::new(), finish: None, end: Err(Value::Null), usage: None };
+    for data in body.split("\n\n").filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
+    {
         if data == "[DONE]" {
             s.end = Ok(());
             continue;
@@ -122,7 +145,12 @@ pub fn parse_sse(status: u16, body: &str) -> Streamed {
 }
 
 pub async fn stream(url: &str, body: &Value) -> Streamed {
-    let r = reqwest::Client::new().post(format!("{url}/v1/chat/completions")).json(body).send().await.unwrap();
+    let r = reqwest::Client::new()
+        .post(format!("{url}/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
     let status = r.status().as_u16();
     parse_sse(status, &r.text().await.unwrap())
 }
@@ -133,12 +161,20 @@ pub async fn reference(prompts: &[&str], max_tokens: usize) -> Vec<String> {
 }
 
 /// [`reference`] under penalties and logit bias (their `prompt_len` is set per prompt).
-pub async fn reference_with(prompts: &[&str], max_tokens: usize, penalties: Option<spade_core::Penalties>) -> Vec<String> {
+pub async fn reference_with(
+    prompts: &[&str],
+    max_tokens: usize,
+    penalties: Option<spade_core::Penalties>,
+) -> Vec<String> {
     reference_of(prompts, max_tokens, penalties, None, false).await
 }
 
 /// [`reference`] with the output held to a grammar document (llguidance's format).
-pub async fn reference_constrained(prompts: &[&str], max_tokens: usize, grammar: &serde_json::Value) -> Vec<String> {
+pub async fn reference_constrained(
+    prompts: &[&str],
+    max_tokens: usize,
+    grammar: &serde_json::Value,
+) -> Vec<String> {
     reference_of(prompts, max_tokens, None, Some(grammar), false).await
 }
 
@@ -159,15 +195,20 @@ async fn reference_of(
     let scorer = CandleScorer::load(&tiny()).unwrap();
     let mut out = Vec::new();
     for prompt in prompts {
-        let ids =
-            if raw { EdgeModel::encode_text(&edge, prompt, true).await.unwrap() } else { edge.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap() };
+        let ids = if raw {
+            EdgeModel::encode_text(&edge, prompt, true).await.unwrap()
+        } else {
+            edge.encode_chat(&[(Role::User, prompt.to_string())]).await.unwrap()
+        };
         let params = GenerateParams {
             max_new_tokens: max_tokens,
             draft_len: 0,
             draft_ahead: false,
             sampling: spade_core::SamplingParams::greedy(),
             draft_sampling: spade_core::SamplingParams::greedy(),
-            penalties: penalties.clone().map(|p| spade_core::Penalties { prompt_len: ids.len() as u32, ..p }),
+            penalties: penalties
+                .clone()
+                .map(|p| spade_core::Penalties { prompt_len: ids.len() as u32, ..p }),
             grammar: grammar.map(|g| scorer.vocabulary().unwrap().compile(g).unwrap()),
             seed: 0,
             stop_token_ids: scorer.meta().stop_token_ids.clone(),
@@ -181,8 +222,18 @@ async fn reference_of(
 
 /// One counter from a server's /metrics.
 pub async fn metric(url: &str, name: &str) -> f64 {
-    let text = reqwest::Client::new().get(format!("{url}/metrics")).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or_else(|| panic!("{name} missing"))
+    let text = reqwest::Client::new()
+        .get(format!("{url}/metrics"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("{name} missing"))
 }
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
