@@ -40,7 +40,9 @@ async fn connect(proxy: &ProxyHandle) -> TcpStream {
 /// Reads until EOF, which must come within two seconds.
 async fn read_to_eof(stream: &mut TcpStream) -> std::io::Result<Vec<u8>> {
     let mut got = Vec::new();
-    timeout(Duration::from_secs(2), stream.read_to_end(&mut got)).await.expect("no EOF within 2 s")?;
+    timeout(Duration::from_secs(2), stream.read_to_end(&mut got))
+        .await
+        .expect("no EOF within 2 s")?;
     Ok(got)
 }
 
