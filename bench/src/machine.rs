@@ -1,6 +1,7 @@
 //! What the benchmark reads about the machine: a process's CPU time (the verifier's CPU seconds are
 //! the cloud's cost), the machine's description for the report, and a UTC timestamp for the results
-//! folder (no date crate is in the workspace, and this is all the calendar arithmetic needed).
+//! folder (no date crate is in the workspace, and this is all the calendar arithmetic needed), and
+//! the commit a run measured.
 
 use std::io;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -92,6 +93,28 @@ pub fn stamp(unix_seconds: u64) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z", secs / 3600, secs / 60 % 60, secs % 60)
+}
+
+/// The commit measured, and whether the working tree differed from it.
+pub fn git_state() -> String {
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    match (
+        git(&["rev-parse", "--short", "HEAD"]),
+        git(&["status", "--porcelain", "--untracked-files=no"]),
+    ) {
+        (Some(head), Some(changes)) if !changes.is_empty() => {
+            format!("git {head} with uncommitted changes")
+        }
+        (Some(head), _) => format!("git {head}"),
+        _ => "unknown (not a git checkout)".into(),
+    }
 }
 
 #[cfg(test)]

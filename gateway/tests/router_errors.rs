@@ -12,23 +12,6 @@ use std::time::Duration;
 use common::*;
 use serde_json::{json, Value};
 
-fn client() -> reqwest::Client {
-    reqwest::Client::new()
-}
-
-async fn chat(url: &str, body: Value) -> (u16, reqwest::header::HeaderMap, String) {
-    let r = client().post(format!("{url}/v1/chat/completions")).json(&body).send().await.unwrap();
-    let status = r.status().as_u16();
-    let headers = r.headers().clone();
-    (status, headers, r.text().await.unwrap())
-}
-
-fn hello(extra: Value) -> Value {
-    let mut body = json!({"model": "spade", "messages": [{"role": "user", "content": "hi"}], "temperature": 0});
-    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
-    body
-}
-
 #[tokio::test]
 async fn bad_requests_name_the_parameter() {
     let verifier = start_verifier(fake_scorer(), &[]).await;

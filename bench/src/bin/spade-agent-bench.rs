@@ -18,7 +18,7 @@ use spade_bench::agent::conversation::{Conversation, CONVERSATION_PATH};
 use spade_bench::agent::report::{render, ReportContext};
 use spade_bench::agent::run::{freeze_binaries, AgentRun, Setup};
 use spade_bench::agent::{any_answer_differs, checks, totals, AgentMode, AgentPlan};
-use spade_bench::machine::{utc_stamp, Machine};
+use spade_bench::machine::{git_state, utc_stamp, Machine};
 use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
 
 #[derive(Debug, Parser)]
@@ -96,28 +96,6 @@ fn shell_quote(s: &str) -> String {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
-    }
-}
-
-/// The commit measured, and whether the working tree differed from it.
-fn git_state() -> String {
-    let git = |args: &[&str]| {
-        std::process::Command::new("git")
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    match (
-        git(&["rev-parse", "--short", "HEAD"]),
-        git(&["status", "--porcelain", "--untracked-files=no"]),
-    ) {
-        (Some(head), Some(changes)) if !changes.is_empty() => {
-            format!("git {head} with uncommitted changes")
-        }
-        (Some(head), _) => format!("git {head}"),
-        _ => "unknown (not a git checkout)".into(),
     }
 }
 

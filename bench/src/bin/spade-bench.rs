@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use serde_json::json;
-use spade_bench::machine::{utc_stamp, Machine};
+use spade_bench::machine::{git_state, utc_stamp, Machine};
 use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
 use spade_bench::plan::{Drift, Plan, Sizes};
 use spade_bench::report::{self, Context as ReportContext};
@@ -243,28 +243,6 @@ fn shell_quote(s: &str) -> String {
 /// A model's file name: the report states which weights ran, not where this machine keeps them.
 fn file_name(path: &str) -> &str {
     Path::new(path).file_name().and_then(|f| f.to_str()).unwrap_or(path)
-}
-
-/// The commit measured, and whether the working tree differed from it.
-fn git_state() -> String {
-    let git = |args: &[&str]| {
-        std::process::Command::new("git")
-            .args(args)
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
-    match (
-        git(&["rev-parse", "--short", "HEAD"]),
-        git(&["status", "--porcelain", "--untracked-files=no"]),
-    ) {
-        (Some(head), Some(changes)) if !changes.is_empty() => {
-            format!("git {head} with uncommitted changes")
-        }
-        (Some(head), _) => format!("git {head}"),
-        _ => "unknown (not a git checkout)".into(),
-    }
 }
 
 fn print_plan(plan: &Plan, setup: &[String]) {

@@ -58,3 +58,23 @@ pub fn sse_data(body: &str) -> Vec<String> {
         })
         .collect()
 }
+
+/// A plain HTTP client.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+/// Status, headers and body of a chat completion call.
+pub async fn chat(url: &str, body: serde_json::Value) -> (u16, reqwest::header::HeaderMap, String) {
+    let r = client().post(format!("{url}/v1/chat/completions")).json(&body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (status, headers, r.text().await.unwrap())
+}
+
+/// A greedy "hi" request with `extra`'s fields added.
+pub fn hello(extra: serde_json::Value) -> serde_json::Value {
+    let mut body = serde_json::json!({"model": "spade", "messages": [{"role": "user", "content": "hi"}], "temperature": 0});
+    body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    body
+}
