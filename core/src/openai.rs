@@ -375,6 +375,11 @@ pub struct SpadeUsage {
     pub bytes_received: u64,
     /// True when the verifier was unreachable and the draft model answered alone.
     pub degraded: bool,
+    /// Prompt tokens the draft model did not recompute: its prefix cache held them from an earlier
+    /// request when it started on the prompt (`prompt_tokens_details.cached_tokens` is the
+    /// target's). Absent where the draft model did not draft.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub draft_cached_tokens: Option<u32>,
 }
 
 /// Where a generation's time went, in seconds.

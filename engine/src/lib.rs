@@ -134,6 +134,12 @@ pub trait Drafter: Send + Sync {
         ContextRows::default()
     }
 
+    /// Positions of `context` the draft model's prefix cache held when a round last started from
+    /// exactly `context` (a generation's prompt: its first round). None where it does not say.
+    fn cached_context(&self, _context: &[u32]) -> Option<usize> {
+        None
+    }
+
     /// Makes drafting after `context` cheap (its KV rows cached) without proposing anything. The loop
     /// runs it while the verifier prefills the same prompt. By default: a one-token draft, discarded
     /// (a prefill and one sampling step; draft randomness is keyed by position, so nothing shifts).

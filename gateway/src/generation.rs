@@ -188,6 +188,10 @@ async fn generate(
         bytes_received: remote.bytes_received,
         prompt_tokens: job.prompt.len() as u64,
         prompt_cached_tokens: remote.prompt_cached_tokens.map(u64::from),
+        draft_cached_tokens: (params.draft_len.max() > 0)
+            .then(|| model.cached_context(&job.prompt))
+            .flatten()
+            .map(|n| n as u64),
         degraded: stats.degraded,
         ttft: output.ttft,
         duration: Default::default(),

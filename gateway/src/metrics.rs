@@ -27,6 +27,8 @@ pub struct GenerationRecord {
     /// Prompt tokens the verifier did not recompute (its first full-context answer); None when no
     /// call reached it.
     pub prompt_cached_tokens: Option<u64>,
+    /// Prompt tokens the draft model's prefix cache held (None when it did not draft).
+    pub draft_cached_tokens: Option<u64>,
     pub degraded: bool,
     pub ttft: Option<Duration>,
     pub duration: Duration,

@@ -111,6 +111,7 @@ impl Meta {
                 bytes_sent: sum(|r| r.bytes_sent),
                 bytes_received: sum(|r| r.bytes_received),
                 degraded: records.iter().any(|r| r.degraded),
+                draft_cached_tokens: first.and_then(|r| r.draft_cached_tokens).map(|n| n as u32),
             }),
         }
     }

@@ -31,6 +31,8 @@ struct Turn {
     content: String,
     prompt_tokens: u64,
     cached_tokens: u64,
+    /// `usage.spade.draft_cached_tokens`: absent where the gateway did not draft.
+    draft_cached_tokens: Option<u64>,
 }
 
 /// A chat whose every turn resends all the messages before it, as OpenAI clients do.
@@ -57,6 +59,7 @@ impl Conversation {
             cached_tokens: usage["prompt_tokens_details"]["cached_tokens"]
                 .as_u64()
                 .unwrap_or_else(|| panic!("no cached_tokens: {usage}")),
+            draft_cached_tokens: usage["spade"]["draft_cached_tokens"].as_u64(),
         }
     }
 }
@@ -80,6 +83,10 @@ async fn reference_turns(turns: usize) -> Vec<Turn> {
         reference.iter().all(|t| t.cached_tokens == 0),
         "a verifier without the prefix cache recomputes every prompt"
     );
+    assert!(
+        reference.iter().all(|t| t.draft_cached_tokens.is_none()),
+        "target-only drafts nothing"
+    );
     reference
 }
 
@@ -95,7 +102,11 @@ async fn each_turn_starts_from_the_last_and_answers_as_target_only() {
             "turn {i}: speculative with the prefix cache vs target-only without it"
         );
         assert_eq!(turn.prompt_tokens, want.prompt_tokens, "turn {i}");
-        println!("turn {i}: {} prompt tokens, {} cached", turn.prompt_tokens, turn.cached_tokens);
+        println!(
+            "turn {i}: {} prompt tokens, {} cached, {:?} in the draft's cache",
+            turn.prompt_tokens, turn.cached_tokens, turn.draft_cached_tokens
+        );
+        let draft_cached = turn.draft_cached_tokens.expect("the gateway drafted");
         if i == 0 {
             assert_eq!(turn.cached_tokens, 0, "nothing is cached before the first turn");
         } else {
@@ -107,6 +118,12 @@ async fn each_turn_starts_from_the_last_and_answers_as_target_only() {
                 turn.prompt_tokens
             );
             assert!(turn.cached_tokens < turn.prompt_tokens);
+            // The draft model reads each turn once too: its prefix cache holds the last turn.
+            assert!(
+                draft_cached >= turns[i - 1].prompt_tokens,
+                "turn {i}: the draft model's cache held {draft_cached} of {}",
+                turn.prompt_tokens
+            );
         }
     }
     let cached = metric(&verifier.url, "spade_prompt_tokens_cached_total").await;

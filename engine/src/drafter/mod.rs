@@ -14,7 +14,7 @@
 //! quantized.
 
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use either::Either;
@@ -37,7 +37,7 @@ use crate::{
 mod recorder;
 mod template;
 
-use recorder::{new_request, Recorder};
+use recorder::{context_key, new_request, CacheCounts, Recorder};
 use template::template_message;
 
 #[derive(Debug, Clone)]
@@ -81,7 +81,7 @@ pub struct MistralDrafter {
     /// Draft streams alive: blocks someone is still drafting or waiting to draft.
     drafting: Arc<AtomicUsize>,
     /// Context positions rounds took from the prefix cache, and computed ([`Drafter::context_rows`]).
-    rows: Arc<[AtomicU64; 2]>,
+    rows: Arc<CacheCounts>,
     vocabulary: LazyVocabulary,
 }
 
@@ -381,6 +381,7 @@ impl Drafter for MistralDrafter {
             ended: AtomicBool::new(false),
             steps: Default::default(),
             rows: self.rows.clone(),
+            context_key: context_key(committed),
         });
         let (tx, mut rx) = tokio::sync::mpsc::channel(2);
         let request = new_request(
@@ -427,9 +428,13 @@ impl Drafter for MistralDrafter {
 
     fn context_rows(&self) -> ContextRows {
         ContextRows {
-            cached: self.rows[0].load(Ordering::Relaxed),
-            computed: self.rows[1].load(Ordering::Relaxed),
+            cached: self.rows.cached.load(Ordering::Relaxed),
+            computed: self.rows.computed.load(Ordering::Relaxed),
         }
+    }
+
+    fn cached_context(&self, context: &[u32]) -> Option<usize> {
+        self.rows.cached_for(context_key(context))
     }
 }
 

@@ -1,8 +1,9 @@
 //! Our sampler inside mistral.rs: the logits processor that draws each drafted token from q,
 //! and the completion request that runs it.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use mistralrs::core::{Constraint, NormalRequest, RequestMessage, Response};
 use mistralrs::CustomLogitsProcessor;
@@ -70,7 +71,47 @@ pub(super) struct Recorder {
     pub(super) ended: AtomicBool,
     pub(super) steps: AtomicUsize,
     /// The drafter's count of context positions cached and computed.
-    pub(super) rows: Arc<[AtomicU64; 2]>,
+    pub(super) rows: Arc<CacheCounts>,
+    /// [`context_key`] of the committed context this round drafts after.
+    pub(super) context_key: u64,
+}
+
+/// What the drafter's rounds found in mistral.rs's prefix cache: context positions cached and
+/// computed in all, and how much of the contexts rounds lately started from was cached.
+#[derive(Default)]
+pub(super) struct CacheCounts {
+    pub(super) cached: AtomicU64,
+    pub(super) computed: AtomicU64,
+    /// (context key, positions cached), newest last, at most [`CacheCounts::RECENT`].
+    recent: Mutex<VecDeque<(u64, usize)>>,
+}
+
+impl CacheCounts {
+    /// Rounds remembered: more than the generations that start at once.
+    const RECENT: usize = 64;
+
+    fn record(&self, context_key: u64, cached: usize, computed: usize) {
+        self.cached.fetch_add(cached as u64, Ordering::Relaxed);
+        self.computed.fetch_add(computed as u64, Ordering::Relaxed);
+        let mut recent = self.recent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if recent.len() == Self::RECENT {
+            recent.pop_front();
+        }
+        recent.push_back((context_key, cached));
+    }
+
+    /// Positions cached when a round last started from the context keyed `context_key`.
+    pub(super) fn cached_for(&self, context_key: u64) -> Option<usize> {
+        let recent = self.recent.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        recent.iter().rev().find(|(key, _)| *key == context_key).map(|&(_, cached)| cached)
+    }
+}
+
+/// A context's key for [`CacheCounts`] (in-process only).
+pub(super) fn context_key(tokens: &[u32]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(tokens, &mut h);
+    std::hash::Hasher::finish(&h)
 }
 
 impl CustomLogitsProcessor for Recorder {
@@ -85,8 +126,7 @@ impl CustomLogitsProcessor for Recorder {
         let step = self.steps.fetch_add(1, Ordering::SeqCst);
         if step == 0 {
             let computed = context.len().min(self.start);
-            self.rows[0].fetch_add((self.start - computed) as u64, Ordering::Relaxed);
-            self.rows[1].fetch_add(computed as u64, Ordering::Relaxed);
+            self.rows.record(self.context_key, self.start - computed, computed);
         }
         let position = self.start + step;
         let vocab = logits.dim(0)?;
