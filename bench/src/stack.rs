@@ -17,6 +17,53 @@ use anyhow::{bail, Context};
 /// How long a model may take to load before the benchmark gives up.
 const READY_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// The model pair a benchmark runs, as its command line takes it.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ModelArgs {
+    /// The draft model's GGUF file (the gateways').
+    #[arg(
+        long,
+        env = "SPADE_BENCH_DRAFT_MODEL",
+        default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    )]
+    pub draft_model: String,
+
+    /// The target model's GGUF file (the verifier's).
+    #[arg(
+        long,
+        env = "SPADE_BENCH_TARGET_MODEL",
+        default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    )]
+    pub target_model: String,
+}
+
+impl ModelArgs {
+    /// Fails, saying how to fetch them, when either file is missing.
+    pub fn ensure_present(&self) -> anyhow::Result<()> {
+        for model in [&self.draft_model, &self.target_model] {
+            anyhow::ensure!(
+                Path::new(model).exists(),
+                "{model} not found: run `bash scripts/fetch-models.sh pair`"
+            );
+        }
+        Ok(())
+    }
+
+    /// The draft model's file name, as reports give it.
+    pub fn draft_file(&self) -> &str {
+        file_name(&self.draft_model)
+    }
+
+    /// The target model's file name, as reports give it.
+    pub fn target_file(&self) -> &str {
+        file_name(&self.target_model)
+    }
+}
+
+fn file_name(path: &str) -> &str {
+    Path::new(path).file_name().and_then(|f| f.to_str()).unwrap_or(path)
+}
+
 /// A server child process, stopped when dropped.
 #[derive(Debug)]
 pub struct Server {

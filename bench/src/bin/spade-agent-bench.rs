@@ -20,6 +20,7 @@ use spade_bench::agent::run::{freeze_binaries, AgentRun, Setup};
 use spade_bench::agent::{any_answer_differs, checks, totals, AgentMode, AgentPlan};
 use spade_bench::machine::{git_state, utc_stamp, Machine};
 use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
+use spade_bench::stack::ModelArgs;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -54,19 +55,8 @@ struct Args {
     #[arg(long, env = "SPADE_AGENT_BENCH_NO_PIN")]
     no_pin: bool,
 
-    #[arg(
-        long,
-        env = "SPADE_BENCH_DRAFT_MODEL",
-        default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    )]
-    draft_model: String,
-
-    #[arg(
-        long,
-        env = "SPADE_BENCH_TARGET_MODEL",
-        default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    )]
-    target_model: String,
+    #[command(flatten)]
+    models: ModelArgs,
 
     /// Folder with spade-verifier and spade-gateway (default: next to this binary).
     #[arg(long, env = "SPADE_BENCH_BIN_DIR")]
@@ -97,11 +87,6 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
-}
-
-/// A model's file name: the report states which weights ran, not where this machine keeps them.
-fn file_name(path: &str) -> &str {
-    Path::new(path).file_name().and_then(|f| f.to_str()).unwrap_or(path)
 }
 
 fn print_plan(plan: &AgentPlan, conversation: &Conversation, setup: &[String]) {
@@ -177,12 +162,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.dry_run {
         return Ok(ExitCode::SUCCESS);
     }
-    for model in [&args.draft_model, &args.target_model] {
-        anyhow::ensure!(
-            Path::new(model).exists(),
-            "{model} not found: run `bash scripts/fetch-models.sh pair`"
-        );
-    }
+    args.models.ensure_present()?;
     let stamp = utc_stamp();
     let out = Path::new("bench/results")
         .join(args.name.clone().unwrap_or_else(|| format!("agent-{stamp}")));
@@ -195,8 +175,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let setup = Setup {
         bin_dir: freeze_binaries(&bin_dir, &out)?,
-        draft_model: args.draft_model.clone(),
-        target_model: args.target_model.clone(),
+        draft_model: args.models.draft_model.clone(),
+        target_model: args.models.target_model.clone(),
         pinning,
         out_dir: out.clone(),
     };
@@ -225,8 +205,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         command: &command,
         git: &git,
         machine: &machine,
-        draft_model: file_name(&args.draft_model),
-        target_model: file_name(&args.target_model),
+        draft_model: args.models.draft_file(),
+        target_model: args.models.target_file(),
         setup: &setup_lines,
         conversation: &conversation,
         plan: &plan,

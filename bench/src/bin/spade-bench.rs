@@ -20,6 +20,7 @@ use spade_bench::pinning::{allowed_cpus, find_in_path, Pinning};
 use spade_bench::plan::{Drift, Plan, Sizes};
 use spade_bench::report::{self, Context as ReportContext};
 use spade_bench::runner::{Runner, Setup};
+use spade_bench::stack::ModelArgs;
 use spade_bench::summary::{summarise, BatchResult, Summary};
 use spade_bench::{load_prompts, PROMPTS_PATH};
 
@@ -118,19 +119,8 @@ struct Args {
     #[arg(long, env = "SPADE_BENCH_SEED", default_value_t = 1234)]
     seed: u64,
 
-    #[arg(
-        long,
-        env = "SPADE_BENCH_DRAFT_MODEL",
-        default_value = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    )]
-    draft_model: String,
-
-    #[arg(
-        long,
-        env = "SPADE_BENCH_TARGET_MODEL",
-        default_value = "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-    )]
-    target_model: String,
+    #[command(flatten)]
+    models: ModelArgs,
 
     /// The prompt set (JSON lines, see bench/PROMPTS.md).
     #[arg(long, env = "SPADE_BENCH_PROMPTS_FILE", default_value = PROMPTS_PATH)]
@@ -238,11 +228,6 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
-}
-
-/// A model's file name: the report states which weights ran, not where this machine keeps them.
-fn file_name(path: &str) -> &str {
-    Path::new(path).file_name().and_then(|f| f.to_str()).unwrap_or(path)
 }
 
 fn print_plan(plan: &Plan, setup: &[String]) {
@@ -383,12 +368,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.dry_run {
         return Ok(ExitCode::SUCCESS);
     }
-    for model in [&args.draft_model, &args.target_model] {
-        anyhow::ensure!(
-            Path::new(model).exists(),
-            "{model} not found: run `bash scripts/fetch-models.sh pair`"
-        );
-    }
+    args.models.ensure_present()?;
     let compute_floor = match &args.compute_floor {
         Some(path) => Some(
             std::fs::read_to_string(path)
@@ -410,8 +390,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let setup = Setup {
         bin_dir,
-        draft_model: args.draft_model.clone(),
-        target_model: args.target_model.clone(),
+        draft_model: args.models.draft_model.clone(),
+        target_model: args.models.target_model.clone(),
         verifier_threads: args.verifier_threads,
         pinning,
         out_dir: out.clone(),
@@ -442,8 +422,8 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         command: &command,
         machine: &machine,
         git: &git,
-        draft_model: file_name(&args.draft_model),
-        target_model: file_name(&args.target_model),
+        draft_model: args.models.draft_file(),
+        target_model: args.models.target_file(),
         wall_s: started.elapsed().as_secs_f64(),
         plan: &plan,
         setup: &setup_lines,
