@@ -13,6 +13,7 @@
 //!   and the record of each round that the speculative loop logs.
 //! - [`prefix_index`]: which cached token sequence shares the longest prefix with a new one (hash-chained blocks).
 //! - [`pass_times`]: a forward pass's time by rows, learnt as each size's own time times a pace all share.
+//! - [`retry`]: backoff with full jitter and `Retry-After` (seconds or a date), within the caller's deadline.
 //! - [`limits`]: the protocol's limits (draft length, `top_logprobs`, session ids), written once.
 //! - [`metrics`]: Prometheus rendering both servers use.
 //! - [`fastmath`]: a vectorisable `e^x` for the per-vocabulary and per-score loops.
@@ -34,6 +35,7 @@ pub mod pass_times;
 pub mod penalties;
 pub mod prefix_index;
 pub mod protocol;
+pub mod retry;
 pub mod rng;
 pub mod sampling;
 pub mod text;

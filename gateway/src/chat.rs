@@ -242,6 +242,7 @@ pub async fn chat_completions(
     Json(req): Json<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     state.metrics.record_request();
+    let ticket = state.admission.admit(req.generation.n.unwrap_or(1)).await?;
     // Failures after the generation starts are counted by the generation itself.
     let prepared = async {
         let format = CallFormat::of_template(state.model()?.meta().chat_template.as_deref());
@@ -256,5 +257,5 @@ pub async fn chat_completions(
         Ok::<_, ApiError>((valid, job))
     };
     let (valid, job) = prepared.await.inspect_err(|_| state.metrics.record_failure())?;
-    request::answer(&state, &valid.decoding, job, Shape::Chat).await
+    request::answer(&state, &valid.decoding, job, Shape::Chat, ticket).await
 }

@@ -49,6 +49,7 @@ pub async fn completions(
     Json(req): Json<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     state.metrics.record_request();
+    let ticket = state.admission.admit(req.generation.n.unwrap_or(1)).await?;
     let prepared = async {
         if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
             return Err(refuse("suffix", "suffix (fill-in-the-middle) is not supported"));
@@ -89,5 +90,5 @@ pub async fn completions(
         Ok((decoding, job, req.echo.then_some(text)))
     };
     let (decoding, job, echo) = prepared.await.inspect_err(|_| state.metrics.record_failure())?;
-    request::answer(&state, &decoding, job, Shape::Text { echo }).await
+    request::answer(&state, &decoding, job, Shape::Text { echo }, ticket).await
 }

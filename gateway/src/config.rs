@@ -1,6 +1,7 @@
 //! Command line and environment: the one place configuration is read.
 
 use std::net::IpAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
@@ -36,6 +37,11 @@ pub struct Config {
     /// Base URL of the verifier (`spade-verifier`).
     #[arg(long, env = "SPADE_GATEWAY_VERIFIER_URL", default_value = "http://127.0.0.1:8081")]
     pub verifier_url: String,
+
+    /// PEM file of certificate authorities to trust for an https verifier, besides the system's
+    /// trust store and the bundled public roots: a verifier behind a private (company) CA.
+    #[arg(long, env = "SPADE_GATEWAY_VERIFIER_CA")]
+    pub verifier_ca: Option<PathBuf>,
 
     /// Bearer token for the verifier.
     #[arg(long, env = "SPADE_VERIFIER_API_KEY", hide_env_values = true)]
@@ -114,6 +120,22 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_MAX_CONCURRENT", default_value_t = 1)]
     pub max_concurrent: usize,
 
+    /// Generations running at once (a request with `n` choices takes `n` places). All share the one
+    /// draft engine: past a few, more only divide its speed (32 concurrent streams finished at about
+    /// one stream's rate in all), while a few let drafting overlap other generations' verify calls.
+    #[arg(long, env = "SPADE_GATEWAY_MAX_RUNNING", default_value_t = 4)]
+    pub max_running: u32,
+
+    /// Requests that wait for a place, first come, first served; one more is refused at once with
+    /// 429 and `retry-after` (the OpenAI SDKs retry it by themselves). 0: refuse whenever all places
+    /// are taken.
+    #[arg(long, env = "SPADE_GATEWAY_MAX_QUEUED", default_value_t = 32)]
+    pub max_queued: usize,
+
+    /// Seconds a request waits for a place before it is refused with 429.
+    #[arg(long, env = "SPADE_GATEWAY_QUEUE_TIMEOUT_SECS", default_value_t = 120.0)]
+    pub queue_timeout_secs: f64,
+
     /// Seconds between SSE keep-alive comments on a quiet stream.
     #[arg(long, env = "SPADE_GATEWAY_KEEP_ALIVE_SECS", default_value_t = 10)]
     pub keep_alive_secs: u64,
@@ -168,6 +190,10 @@ impl Config {
         Duration::from_secs_f64(self.verify_timeout_secs)
     }
 
+    pub fn queue_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.queue_timeout_secs)
+    }
+
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.connect_timeout_secs)
     }
@@ -185,7 +211,10 @@ impl Config {
             ));
         }
         let positive = |x: f64| x.is_finite() && x > 0.0;
-        if !positive(self.connect_timeout_secs) || !positive(self.verify_timeout_secs) {
+        if !positive(self.connect_timeout_secs)
+            || !positive(self.verify_timeout_secs)
+            || !positive(self.queue_timeout_secs)
+        {
             return Err("timeouts must be positive numbers of seconds".into());
         }
         if !(self.busy_wait_secs.is_finite() && self.busy_wait_secs >= 0.0) {
@@ -195,10 +224,11 @@ impl Config {
             return Err(format!("--draft-len {n} is above --max-draft-len {}", self.max_draft_len));
         }
         if self.max_concurrent == 0
+            || self.max_running == 0
             || self.keep_alive_secs == 0
             || self.max_completion_tokens == Some(0)
         {
-            return Err("--max-concurrent, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
+            return Err("--max-concurrent, --max-running, --keep-alive-secs and --max-completion-tokens must be at least 1".into());
         }
         spade_http::cors::layer(&self.cors_allow_origin)?;
         Ok(())

@@ -8,6 +8,7 @@
 //! The server skeleton (auth, errors, flags, serving) is spade-http's.
 
 mod admin;
+mod admission;
 mod chat;
 mod completions;
 pub mod config;
@@ -37,9 +38,13 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(admin::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
-        .route("/metrics", get(admin::metrics))
         .with_state(state.clone());
-    let app = spade_http::app(get(admin::health).with_state(state.clone()), protected, &state.http);
+    let probes = spade_http::Probes {
+        live: get(admin::live),
+        ready: get(admin::ready).with_state(state.clone()),
+    };
+    let metrics = get(admin::metrics).with_state(state.clone());
+    let app = spade_http::app(probes, metrics, protected, &state.http);
     // Checked by `Config::check` at start; a layer that cannot be built here means no CORS headers.
     match spade_http::cors::layer(&state.settings.cors_allow_origin) {
         Ok(Some(cors)) => app.layer(cors),

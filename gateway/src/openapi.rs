@@ -7,6 +7,8 @@ use spade_core::openai::{
 use spade_core::vllm::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
 use utoipa::OpenApi;
 
+use spade_http::Liveness;
+
 use crate::admin::Health;
 
 #[derive(OpenApi)]
@@ -21,7 +23,8 @@ use crate::admin::Health;
         crate::tokenize::tokenize,
         crate::tokenize::detokenize,
         crate::admin::models,
-        crate::admin::health,
+        crate::admin::ready,
+        crate::admin::live,
         crate::admin::metrics
     ),
     components(schemas(
@@ -34,6 +37,7 @@ use crate::admin::Health;
         SpadeUsage,
         ModelList,
         Health,
+        Liveness,
         TokenizeRequest,
         TokenizeResponse,
         DetokenizeRequest,

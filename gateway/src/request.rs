@@ -19,6 +19,7 @@ use spade_engine::{EdgeModel, EngineError};
 use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
 
+use crate::admission::Ticket;
 use crate::config::{OfflineFallback, VerifyWire};
 use crate::error::ApiError;
 use crate::generation::{self, Constraint, Event, Job};
@@ -45,6 +46,13 @@ pub enum GenerationErrors {
     /// Body over the size limit
     #[response(status = 413)]
     TooLarge(ErrorBody),
+    /// The gateway is at capacity: its line of waiting requests is full (`--max-queued`), or no place
+    /// freed in `--queue-timeout-secs` (`code: rate_limit_exceeded`; retry as `retry-after` says)
+    #[response(status = 429, headers(
+        ("retry-after" = u64, description = "Seconds to wait before retrying"),
+        ("retry-after-ms" = u64, description = "The same, in milliseconds, spread between clients"),
+    ))]
+    Overloaded(ErrorBody),
     /// The verifier answered with an error, or its vocabulary differs from the draft model's
     #[response(status = 502)]
     Verifier(ErrorBody),
@@ -349,12 +357,14 @@ async fn constraint(
 /// Runs the request's `n` generations (choice i seeded with [`choice_seed`]) and answers in `shape`:
 /// one JSON object, or SSE when `d.stream`. The choices run at the same time, except for a seeded
 /// sampled request: its choices run one after another, each from a fresh draft cache, so that it
-/// reproduces (see `Drafter::begin_generation`).
+/// reproduces (see `Drafter::begin_generation`). `ticket`: the request's places, freed when its last
+/// generation ends.
 pub async fn answer(
     state: &AppState,
     d: &Decoding,
     job: Job,
     shape: Shape,
+    ticket: Ticket,
 ) -> Result<Response, ApiError> {
     let meta = respond::Meta::new(
         &state.settings.model_name,
@@ -364,16 +374,22 @@ pub async fn answer(
         d.n as usize,
     );
     let one_by_one = job.reproducible && d.n > 1;
+    let ticket = Arc::new(ticket);
     let (mut runs, mut receivers) = (Vec::new(), Vec::new());
     for index in 0..d.n {
         let (tx, rx) = mpsc::channel(64);
-        runs.push(generation::run(
+        let (state, job, ticket) = (
             state.clone(),
             Job { seed: choice_seed(job.seed, index), ..job.clone() },
-            tx,
-        ));
+            ticket.clone(),
+        );
+        runs.push(async move {
+            generation::run(state, job, tx).await;
+            drop(ticket);
+        });
         receivers.push(rx);
     }
+    drop(ticket);
     if one_by_one {
         tokio::spawn(async move {
             for run in runs {

@@ -10,6 +10,7 @@ use spade_core::protocol::{vocabulary_mismatch, ModelInfo};
 use spade_engine::EdgeModel;
 use spade_http::{HttpSettings, ModelSlot};
 
+use crate::admission::Admission;
 use crate::config::{Config, OfflineFallback, VerifyWire};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -45,6 +46,8 @@ pub struct Gateway {
     /// each generation starts from it and feeds it back.
     pub draft_estimates: Arc<Mutex<Estimates>>,
     pub metrics: Metrics,
+    /// The bound on generations running and requests waiting.
+    pub admission: Admission,
     pub http: HttpSettings,
     pub started: u64,
 }
@@ -80,6 +83,11 @@ impl Gateway {
             },
             draft_estimates: Arc::default(),
             metrics: Metrics::default(),
+            admission: Admission::new(
+                config.max_running,
+                config.max_queued,
+                config.queue_timeout(),
+            ),
             http: config.server.http(),
             started: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         })

@@ -1,15 +1,16 @@
 //! The verifier client: one pooled reqwest client, timeouts on every call, bounded retries.
 //!
 //! A 429 is the verifier saying "later", not a failure: the client waits as its `retry-after` says
-//! (plus up to a fifth more, so gateways told the same second do not come back together) for as
-//! long as `--busy-wait-secs` allows, without spending a retry. Retries are for failures:
-//! timeouts, lost connections, 5xx.
+//! (seconds or an HTTP date, plus up to a fifth more, so gateways told the same second do not come
+//! back together) for as long as `--busy-wait-secs` allows, without spending a retry. Retries are
+//! for failures: timeouts, lost connections, 5xx; each waits a full-jitter backoff (spade-core's
+//! `retry`), or longer where a 503's `retry-after` asks, and none waits past the call's deadline.
 //!
 //! Retrying `/verify` is safe: its randomness is keyed by (seed, position), so the same request gets
 //! the same answer, and a session delta that reaches a verifier twice is refused (409), not applied
 //! twice.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use rand::Rng;
 use reqwest::StatusCode;
@@ -17,6 +18,7 @@ use spade_core::grammar::GrammarConstraint;
 use spade_core::protocol::{
     ModelInfo, VerifyRequest, VerifyResponse, WireDraftToken, AFFINITY_HEADER,
 };
+use spade_core::retry::{self, Backoff};
 use spade_core::wire::{decode_response, encode_request, BINARY_CONTENT_TYPE};
 use spade_core::DraftToken;
 use spade_engine::round::TargetRule;
@@ -58,14 +60,22 @@ pub struct VerifierClient {
 
 const INFO_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// Waits between retries of a failed verify call: full jitter under 100 ms, 200 ms, ... up to 5 s.
+const RETRY_BACKOFF: Backoff =
+    Backoff { base: Duration::from_millis(100), cap: Duration::from_secs(5) };
+
 impl VerifierClient {
     pub fn new(config: &Config) -> Result<Self, String> {
-        let http = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout())
             .pool_idle_timeout(Duration::from_secs(90))
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| format!("building the HTTP client: {e}"))?;
+            .tcp_nodelay(true);
+        if config.verifier_url.starts_with("https://") {
+            for root in trusted_roots(config.verifier_ca.as_deref())? {
+                builder = builder.add_root_certificate(root);
+            }
+        }
+        let http = builder.build().map_err(|e| format!("building the HTTP client: {e}"))?;
         Ok(Self {
             http,
             base: config.verifier_url.trim_end_matches('/').to_string(),
@@ -139,6 +149,8 @@ impl VerifierClient {
         let mut failures = 0;
         loop {
             let started = Instant::now();
+            // What a 5xx's retry-after asks for (a loading verifier's 503 says when to come back).
+            let mut asked = None;
             let sent = self
                 .request(reqwest::Method::POST, "/verify")
                 .header(reqwest::header::CONTENT_TYPE, content_type)
@@ -155,8 +167,7 @@ impl VerifierClient {
                     let retry_after = response
                         .headers()
                         .get(reqwest::header::RETRY_AFTER)
-                        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-                        .map(Duration::from_secs);
+                        .and_then(|v| retry::retry_after(v.to_str().ok()?, SystemTime::now()));
                     match response.bytes().await {
                         Err(e) => describe(&e),
                         Ok(bytes) if status == StatusCode::OK => {
@@ -181,13 +192,13 @@ impl VerifierClient {
                         Ok(bytes) if status == StatusCode::TOO_MANY_REQUESTS => {
                             let after = retry_after.unwrap_or(Duration::from_secs(1));
                             let wait = after.mul_f64(1.0 + rand::rng().random_range(0.0..0.2));
-                            if Instant::now() + wait > patience {
+                            let Some(wait) = retry::within(wait, Instant::now(), patience) else {
                                 return Err(CallError::Unreachable(format!(
                                     "/verify answered {status}: {}; waiting the {} s it asks would exceed --busy-wait-secs",
                                     message(&bytes),
                                     after.as_secs()
                                 )));
-                            }
+                            };
                             tracing::debug!(
                                 wait_s = wait.as_secs_f64(),
                                 "verifier busy: {}",
@@ -197,6 +208,7 @@ impl VerifierClient {
                             continue;
                         }
                         Ok(bytes) if status.is_server_error() => {
+                            asked = retry_after;
                             format!("/verify answered {status}: {}", message(&bytes))
                         }
                         Ok(bytes) if status == StatusCode::UNAUTHORIZED => {
@@ -217,11 +229,50 @@ impl VerifierClient {
             if failures == self.retries {
                 return Err(CallError::Unreachable(failed));
             }
-            tracing::debug!(attempt = failures + 1, "retrying /verify: {failed}");
-            tokio::time::sleep(Duration::from_millis(100 << failures.min(5))).await;
+            let backoff = RETRY_BACKOFF.wait(failures, &mut rand::rng());
+            let wait = asked.map_or(backoff, |asked| asked.max(backoff));
+            // A retry may wait as long as one attempt may take; a verifier that asks for longer is
+            // down for longer than this call should hang on.
+            let now = Instant::now();
+            let Some(wait) =
+                retry::within(wait, now, now + self.verify_timeout.max(RETRY_BACKOFF.cap))
+            else {
+                return Err(CallError::Unreachable(format!(
+                    "{failed}; it asks to retry in {} s, longer than --verify-timeout-secs",
+                    wait.as_secs()
+                )));
+            };
+            tracing::debug!(
+                attempt = failures + 1,
+                wait_ms = wait.as_millis() as u64,
+                "retrying /verify: {failed}"
+            );
+            tokio::time::sleep(wait).await;
             failures += 1;
         }
     }
+}
+
+/// The roots an https verifier's certificate may chain to, besides the public ones reqwest bundles:
+/// the system's trust store (where a company installs its CA) and `--verifier-ca`'s PEM file.
+fn trusted_roots(ca_file: Option<&std::path::Path>) -> Result<Vec<reqwest::Certificate>, String> {
+    let native = rustls_native_certs::load_native_certs();
+    if !native.errors.is_empty() {
+        tracing::warn!("reading the system's trust store: {:?}", native.errors);
+    }
+    let mut roots: Vec<_> =
+        native.certs.iter().filter_map(|der| reqwest::Certificate::from_der(der).ok()).collect();
+    if let Some(path) = ca_file {
+        let pem =
+            std::fs::read(path).map_err(|e| format!("--verifier-ca {}: {e}", path.display()))?;
+        let certs = reqwest::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("--verifier-ca {}: not PEM certificates: {e}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!("--verifier-ca {}: no PEM certificate in it", path.display()));
+        }
+        roots.extend(certs);
+    }
+    Ok(roots)
 }
 
 /// The `error.message` of an OpenAI-shaped body, or the body itself.

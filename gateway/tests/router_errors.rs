@@ -166,9 +166,20 @@ async fn verifier_down_gives_503_without_retry_and_health_says_why() {
         serde_json::from_str::<Value>(&body).unwrap()["error"]["code"],
         "verifier_unavailable"
     );
-    let r = client().get(format!("{}/health", gateway.url)).send().await.unwrap();
-    assert_eq!(r.status(), 503);
-    assert_eq!(r.json::<Value>().await.unwrap()["status"], "verifier_unreachable");
+    for probe in ["/health", "/health/ready"] {
+        let (status, v) = get_json(&format!("{}{probe}", gateway.url)).await;
+        assert_eq!(
+            (status, &v["status"], &v["serving"]),
+            (503, &json!("verifier_unreachable"), &Value::Null)
+        );
+    }
+    // Restarting the gateway would not bring the verifier back: it stays live.
+    assert_eq!(get_json(&format!("{}/health/live", gateway.url)).await.0, 200);
+}
+
+async fn get_json(url: &str) -> (u16, Value) {
+    let r = client().get(url).send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
 }
 
 #[tokio::test]
@@ -186,6 +197,16 @@ async fn offline_fallback_answers_from_the_draft_and_says_so() {
     assert_eq!(v["usage"]["spade"]["verify_calls"], 0);
     // The fake draft's own text: wrong every fourth byte (position 11 breaks the é).
     assert_eq!(v["choices"][0]["message"]["content"], "H?\u{FFFD}ll? w");
+    // It can answer, so it is ready, and says how.
+    for probe in ["/health", "/health/ready"] {
+        let (status, v) = get_json(&format!("{}{probe}", gateway.url)).await;
+        assert_eq!(
+            (status, &v["status"], &v["serving"]),
+            (200, &json!("degraded"), &json!("draft_only")),
+            "{v}"
+        );
+        assert!(v["detail"].as_str().unwrap().contains("unreachable"), "{v}");
+    }
 }
 
 #[tokio::test]
@@ -260,15 +281,32 @@ async fn api_key_guards_everything_but_health() {
         .await
         .unwrap();
     assert_eq!(r.json::<Value>().await.unwrap()["data"][0]["id"], "spade");
-    let r = client().get(format!("{}/health", gateway.url)).send().await.unwrap();
-    assert_eq!(r.status(), 200);
-    assert_eq!(r.json::<Value>().await.unwrap()["status"], "ready");
+    for probe in ["/health", "/health/ready"] {
+        let (status, v) = get_json(&format!("{}{probe}", gateway.url)).await;
+        assert_eq!(
+            (status, &v["status"], &v["serving"]),
+            (200, &json!("ready"), &json!("speculative"))
+        );
+    }
+    assert_eq!(get_json(&format!("{}/health/live", gateway.url)).await.0, 200);
+    let r = client().get(format!("{}/metrics", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 401, "metrics need the key without --metrics-public");
     let r =
         client().get(format!("{}/metrics", gateway.url)).bearer_auth("gkey").send().await.unwrap();
     let text = r.text().await.unwrap();
     // The refused request never reached the handler.
     assert!(text.contains("spade_gateway_requests_total 1\n"), "{text}");
     assert!(text.contains("spade_gateway_verify_calls_total"));
+}
+
+#[tokio::test]
+async fn metrics_public_opens_only_the_metrics() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &["--api-key", "gkey", "--metrics-public"]).await;
+    let r = client().get(format!("{}/metrics", gateway.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("spade_gateway_requests_total 0\n"));
+    assert_eq!(chat(&gateway.url, hello(json!({}))).await.0, 401);
 }
 
 #[tokio::test]

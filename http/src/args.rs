@@ -24,11 +24,12 @@ pub struct EnvNames {
     pub max_body_bytes: &'static str,
     pub log: &'static str,
     pub log_json: &'static str,
+    pub metrics_public: &'static str,
 }
 
 /// `server_profile!(Name, "SPADE_X", port = "8080", max_body_bytes = "4194304")` defines the profile
 /// `Name`, whose flags read `SPADE_X_HOST`, `SPADE_X_PORT`, `SPADE_X_API_KEY`, `SPADE_X_MAX_BODY_BYTES`,
-/// `SPADE_X_LOG` and `SPADE_X_LOG_JSON`.
+/// `SPADE_X_LOG`, `SPADE_X_LOG_JSON` and `SPADE_X_METRICS_PUBLIC`.
 #[macro_export]
 macro_rules! server_profile {
     ($name:ident, $prefix:literal, port = $port:literal, max_body_bytes = $body:literal) => {
@@ -43,6 +44,7 @@ macro_rules! server_profile {
                 max_body_bytes: concat!($prefix, "_MAX_BODY_BYTES"),
                 log: concat!($prefix, "_LOG"),
                 log_json: concat!($prefix, "_LOG_JSON"),
+                metrics_public: concat!($prefix, "_METRICS_PUBLIC"),
             };
             const PORT: &'static str = $port;
             const MAX_BODY_BYTES: &'static str = $body;
@@ -59,9 +61,14 @@ pub struct ServerArgs<P: ServerProfile> {
     #[arg(long, env = P::ENV.port, default_value = P::PORT)]
     pub port: u16,
 
-    /// Bearer token every route except /health requires.
+    /// Bearer token every route except the probes (/health, /health/live, /health/ready) requires.
     #[arg(long, env = P::ENV.api_key, hide_env_values = true)]
     pub api_key: Option<String>,
+
+    /// Serve /metrics without the API key, for Prometheus scrapers (they rarely carry one). The
+    /// metrics hold counts and timings, no prompts or keys.
+    #[arg(long, env = P::ENV.metrics_public)]
+    pub metrics_public: bool,
 
     /// Largest accepted request body, in bytes.
     #[arg(long, env = P::ENV.max_body_bytes, default_value = P::MAX_BODY_BYTES)]
@@ -93,6 +100,7 @@ impl<P: ServerProfile> ServerArgs<P> {
         HttpSettings {
             api_key: self.api_key().map(str::to_string),
             max_body_bytes: self.max_body_bytes,
+            metrics_public: self.metrics_public,
         }
     }
 }
@@ -102,6 +110,8 @@ impl<P: ServerProfile> ServerArgs<P> {
 pub struct HttpSettings {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
+    /// `/metrics` without the API key.
+    pub metrics_public: bool,
 }
 
 #[derive(Debug, Clone, Subcommand)]

@@ -1,7 +1,8 @@
 //! spade-http: the server kit both SPADE servers build on, so each server crate holds only its own
 //! routes, state and errors.
 //!
-//! - [`app`]: the skeleton around a server's routes: `/health` open, the rest behind the bearer key
+//! - [`app`]: the skeleton around a server's routes: the probes (`/health`, `/health/live`,
+//!   `/health/ready`) open, `/metrics` open on request, the rest behind the bearer key
 //!   ([`auth`]), OpenAI-shaped 404/405, request ids with tracing spans, the body limit.
 //! - [`cors`]: opt-in CORS for browser clients.
 //! - [`error`]: the OpenAI-shaped error response, the errors of the request itself, the JSON extractor.
@@ -34,11 +35,33 @@ pub use serve::{run, serve, shutdown_signal, start};
 
 pub const REQUEST_ID: &str = "x-request-id";
 
-/// A server's routes inside the shared skeleton: `health` at `/health`, open to all; `protected`
-/// behind the bearer key; OpenAI-shaped errors for unknown routes and methods; the common layers.
-pub fn app(health: MethodRouter, protected: Router, http: &HttpSettings) -> Router {
-    let app = Router::new()
-        .route("/health", health)
+/// A server's probes, open to all (orchestrators and load balancers carry no API key).
+pub struct Probes {
+    /// `/health/live`: 503 only when the process cannot recover by itself (restart it).
+    pub live: MethodRouter,
+    /// `/health/ready` and `/health`: 200 when the server can answer requests now.
+    pub ready: MethodRouter,
+}
+
+/// A server's routes inside the shared skeleton: the probes open to all; `metrics` at `/metrics`,
+/// open with `--metrics-public` and behind the bearer key otherwise; `protected` behind the key;
+/// OpenAI-shaped errors for unknown routes and methods; the common layers.
+pub fn app(
+    probes: Probes,
+    metrics: MethodRouter,
+    protected: Router,
+    http: &HttpSettings,
+) -> Router {
+    let open = Router::new()
+        .route("/health", probes.ready.clone())
+        .route("/health/ready", probes.ready)
+        .route("/health/live", probes.live);
+    let (open, protected) = if http.metrics_public {
+        (open.route("/metrics", metrics), protected)
+    } else {
+        (open, protected.route("/metrics", metrics))
+    };
+    let app = open
         .merge(auth::require_bearer(protected, http.api_key.as_deref()))
         .fallback(error::not_found)
         .method_not_allowed_fallback(error::method_not_allowed);
@@ -57,6 +80,14 @@ pub fn with_common_layers(router: Router, max_body_bytes: usize) -> Router {
             tracing::info_span!("request", id = %id, method = %req.method(), path = %req.uri().path())
         }))
         .layer(SetRequestIdLayer::new(request_id, MakeRequestUuid))
+}
+
+/// `/health/live`'s answer on either server.
+#[derive(Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct Liveness {
+    /// `live`, or what stopped (the verifier: `scoring_stopped`).
+    pub status: String,
+    pub detail: Option<String>,
 }
 
 /// A `/metrics` answer: Prometheus text (rendered with spade-core's `metrics`).

@@ -1,4 +1,4 @@
-//! `/health`, `/v1/info`, `/metrics`.
+//! The probes (`/health/live`, `/health/ready` = `/health`), `/v1/info`, `/metrics`.
 
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -8,7 +8,7 @@ use spade_core::protocol::{
     ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES, FEATURE_PREFIX_CACHE,
 };
 use spade_core::ErrorBody;
-use spade_http::Json;
+use spade_http::{Json, Liveness};
 use utoipa::ToSchema;
 
 use crate::error::ApiError;
@@ -16,24 +16,44 @@ use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
-    /// `ready` or `loading`.
+    /// `ready`; not ready: `loading` or `scoring_stopped` (the scoring thread died: restart).
     pub status: String,
     pub model: String,
 }
 
-/// Readiness: 200 once the model is loaded, 503 before.
-#[utoipa::path(get, path = "/health", responses(
+/// Readiness (also at `/health`): 200 once the model is loaded and its scoring thread runs, 503
+/// before and after.
+#[utoipa::path(get, path = "/health/ready", responses(
     (status = 200, description = "Ready", body = Health),
-    (status = 503, description = "Model still loading", body = Health),
+    (status = 503, description = "Model still loading, or the scoring thread stopped", body = Health),
 ))]
-pub async fn health(State(state): State<AppState>) -> impl IntoResponse {
-    let ready = state.target_model.is_loaded();
-    let status = if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    let body = Health {
-        status: if ready { "ready" } else { "loading" }.into(),
-        model: state.model_id.clone(),
+pub async fn ready(State(state): State<AppState>) -> impl IntoResponse {
+    let status = match state.target_model.get() {
+        None => "loading",
+        Some(target) if !target.batcher.is_running() => "scoring_stopped",
+        Some(_) => "ready",
     };
-    (status, Json(body))
+    let code = if status == "ready" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (code, Json(Health { status: status.into(), model: state.model_id.clone() }))
+}
+
+/// Liveness: 503 once the scoring thread has died (a panic while scoring): no call can be answered
+/// again until the process restarts. Loading is live.
+#[utoipa::path(get, path = "/health/live", responses(
+    (status = 200, description = "Live (loading or ready)", body = Liveness),
+    (status = 503, description = "The scoring thread stopped: restart the verifier", body = Liveness),
+))]
+pub async fn live(State(state): State<AppState>) -> impl IntoResponse {
+    match state.target_model.get() {
+        Some(target) if !target.batcher.is_running() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(Liveness {
+                status: "scoring_stopped".into(),
+                detail: Some("the scoring thread stopped (it panicked; see the log)".into()),
+            }),
+        ),
+        _ => (StatusCode::OK, Json(Liveness { status: "live".into(), detail: None })),
+    }
 }
 
 /// The model gateways must match (vocabulary size and tokenizer fingerprint) and the limits their

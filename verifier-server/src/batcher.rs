@@ -89,6 +89,8 @@ pub struct Batcher {
     /// Prompts turned away, first come, first served.
     line: Mutex<PromptLine>,
     pub load: Arc<Load>,
+    /// Finished only if the thread panicked (it otherwise outlives every handle): `/health/live`.
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl Batcher {
@@ -103,10 +105,15 @@ impl Batcher {
         let (calls, queue) = mpsc::channel();
         let load = Arc::new(Load { pass_times: Mutex::new(pass_times), ..Load::default() });
         let shared = load.clone();
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("spade-batcher".into())
             .spawn(move || run(scorer.as_ref(), &limits, &metrics, &shared, &queue))?;
-        Ok(Self { calls, limits, max_backlog_secs, line: Mutex::default(), load })
+        Ok(Self { calls, limits, max_backlog_secs, line: Mutex::default(), load, thread })
+    }
+
+    /// Whether the scoring thread still runs: it ends only by panicking while a handle exists.
+    pub fn is_running(&self) -> bool {
+        !self.thread.is_finished()
     }
 
     /// Whether a call of session `session_id` scoring `tokens` in `session` (the last `n_logits` with

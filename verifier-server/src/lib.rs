@@ -26,11 +26,11 @@ pub fn router(state: AppState) -> Router {
     let calls = Router::new()
         .route("/verify", post(verify::verify))
         .route("/sessions/{id}", delete(verify::end_session));
-    let info =
-        Router::new().route("/v1/info", get(admin::info)).route("/metrics", get(admin::metrics));
-    spade_http::app(
-        get(admin::health).with_state(state.clone()),
-        calls.merge(info).with_state(state.clone()),
-        &state.http,
-    )
+    let probes = spade_http::Probes {
+        live: get(admin::live).with_state(state.clone()),
+        ready: get(admin::ready).with_state(state.clone()),
+    };
+    let metrics = get(admin::metrics).with_state(state.clone());
+    let protected = calls.route("/v1/info", get(admin::info)).with_state(state.clone());
+    spade_http::app(probes, metrics, protected, &state.http)
 }

@@ -6,6 +6,8 @@ use spade_core::protocol::{
 use spade_core::{NextKind, SamplingParams};
 use utoipa::OpenApi;
 
+use spade_http::Liveness;
+
 use crate::admin::Health;
 
 #[derive(OpenApi)]
@@ -17,7 +19,8 @@ use crate::admin::Health;
     paths(
         crate::verify::verify,
         crate::verify::end_session,
-        crate::admin::health,
+        crate::admin::ready,
+        crate::admin::live,
         crate::admin::info,
         crate::admin::metrics
     ),
@@ -30,7 +33,8 @@ use crate::admin::Health;
         ModelInfo,
         SamplingParams,
         NextKind,
-        Health
+        Health,
+        Liveness
     ))
 )]
 pub struct ApiDoc;

@@ -14,15 +14,19 @@ use tower::ServiceExt;
 
 const VOCAB: u32 = 32;
 const SLOW_TOKEN: u32 = 30;
+/// A context starting with it makes the scorer panic, as a bug in a real one would: the scoring
+/// thread dies.
+const PANIC_TOKEN: u32 = 31;
 
 fn next_of(t: u32) -> u32 {
     (t * 7 + 1) % VOCAB
 }
 
 /// Logits peak at (7 * last token + 1) % 32 and fall off linearly; a context starting with
-/// SLOW_TOKEN takes 300 ms.
+/// SLOW_TOKEN takes 300 ms, one starting with PANIC_TOKEN panics.
 fn scorer() -> FakeScorer {
     let mut scorer = FakeScorer::new(meta("fake", VOCAB, 64), |tokens| {
+        assert_ne!(tokens[0], PANIC_TOKEN, "the scorer fails");
         let next = next_of(*tokens.last().unwrap());
         (0..VOCAB).map(|j| -((j as f32 - next as f32).abs())).collect()
     });
@@ -88,14 +92,60 @@ fn assert_error(v: &Value, kind: &str, param: Option<&str>, code: Option<&str>) 
     assert_eq!(e["code"].as_str(), code, "{v}");
 }
 
+async fn probe(state: &Arc<Verifier>, path: &str) -> (StatusCode, Option<String>) {
+    let (s, v, _) = call(state, "GET", path, None, None).await;
+    (s, v["status"].as_str().map(String::from))
+}
+
 #[tokio::test]
 async fn health_reflects_loading() {
-    let (s, v, _) = call(&state(&[], false), "GET", "/health", None, None).await;
-    assert_eq!((s, v["status"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("loading")));
-    let (s, _) = verify(&state(&[], false), greedy(&[1], &[])).await;
+    let loading = state(&[], false);
+    for path in ["/health", "/health/ready"] {
+        assert_eq!(
+            probe(&loading, path).await,
+            (StatusCode::SERVICE_UNAVAILABLE, Some("loading".into()))
+        );
+    }
+    assert_eq!(probe(&loading, "/health/live").await, (StatusCode::OK, Some("live".into())));
+    let (s, _) = verify(&loading, greedy(&[1], &[])).await;
     assert_eq!(s, StatusCode::SERVICE_UNAVAILABLE);
-    let (s, v, _) = call(&state(&[], true), "GET", "/health", None, None).await;
-    assert_eq!((s, v["status"].as_str()), (StatusCode::OK, Some("ready")));
+    let ready = state(&[], true);
+    for path in ["/health", "/health/ready"] {
+        assert_eq!(probe(&ready, path).await, (StatusCode::OK, Some("ready".into())));
+    }
+    assert_eq!(probe(&ready, "/health/live").await, (StatusCode::OK, Some("live".into())));
+}
+
+#[tokio::test]
+async fn a_dead_scoring_thread_is_neither_live_nor_ready() {
+    let st = state(&[], true);
+    let (s, _) = verify(&st, greedy(&[PANIC_TOKEN, 1], &[2])).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR);
+    // The thread is unwinding; the probes see it gone as soon as it has.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while probe(&st, "/health/live").await.0 == StatusCode::OK {
+        assert!(std::time::Instant::now() < deadline, "/health/live stayed 200");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopped = (StatusCode::SERVICE_UNAVAILABLE, Some("scoring_stopped".to_string()));
+    for path in ["/health/live", "/health/ready", "/health"] {
+        assert_eq!(probe(&st, path).await, stopped, "{path}");
+    }
+    // Calls fail fast and say why instead of hanging.
+    let (s, v) = verify(&st, greedy(&[1], &[8])).await;
+    assert_eq!(s, StatusCode::INTERNAL_SERVER_ERROR, "{v}");
+}
+
+#[tokio::test]
+async fn metrics_are_public_only_when_asked() {
+    let private = state(&[], true);
+    assert_eq!(call(&private, "GET", "/metrics", None, None).await.0, StatusCode::UNAUTHORIZED);
+    let public = state(&["--metrics-public"], true);
+    let (s, v, _) = call(&public, "GET", "/metrics", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(v.as_str().is_some_and(|t| t.contains("spade_ready 1")), "{v}");
+    // Everything else still needs the key.
+    assert_eq!(call(&public, "GET", "/v1/info", None, None).await.0, StatusCode::UNAUTHORIZED);
 }
 
 #[tokio::test]

@@ -20,7 +20,8 @@ impl Drop for Running {
     }
 }
 
-async fn serve(app: axum::Router) -> Running {
+/// `app` on a free loopback port.
+pub async fn serve_app(app: axum::Router) -> Running {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     let task = tokio::spawn(async move {
@@ -35,7 +36,7 @@ pub async fn start_verifier(scorer: FakeScorer, extra: &[&str]) -> Running {
     let verifier =
         Arc::new(spade_verifier::Verifier::new(&spade_verifier::Config::parse_from(args)));
     verifier.load_model(Arc::new(scorer), Default::default()).expect("scoring thread");
-    serve(spade_verifier::router(verifier)).await
+    serve_app(spade_verifier::router(verifier)).await
 }
 
 pub async fn start_gateway(verifier_url: &str, extra: &[&str]) -> Running {
@@ -47,7 +48,7 @@ pub async fn start_gateway(verifier_url: &str, extra: &[&str]) -> Running {
     let gateway =
         Arc::new(spade_gateway::Gateway::new(&spade_gateway::Config::parse_from(args)).unwrap());
     gateway.draft_model.set(FakeEdge::new());
-    serve(spade_gateway::router(gateway)).await
+    serve_app(spade_gateway::router(gateway)).await
 }
 
 /// Parses an SSE body into its `data:` payloads.
