@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Reliability and security run (issue 7): the real binaries on loopback with the tiny model.
-#  1. gateway/tests/reliability.rs, reliability_faults.rs and e2e.rs, including the ignored 500-request soak;
-#  2. schemathesis fuzzing of both servers from their OpenAPI documents, bounded in time;
+#  1. gateway/tests/reliability.rs, reliability_faults.rs, e2e.rs, private_ca.rs and router_admission.rs, including
+#     the ignored 500-request soak and a burst of 64 against a line of 8 (SPADE_BURST);
+#  2. schemathesis fuzzing of both servers from their OpenAPI documents, bounded in time, then a burst of 64
+#     through the openai SDK's own retries (tests/openai_burst_check.py);
 #  3. reliability/REPORT.md: every case with what was observed.
 # Takes ~15-25 minutes on 2 cores. CI runs the same tests minus the soak and the fuzzing.
 set -uo pipefail
@@ -20,12 +22,14 @@ bash scripts/patch-crates.sh || exit 1
 cargo build --workspace --locked || exit 1
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -c 'import schemathesis' 2>/dev/null || "$venv/bin/pip" install -q "schemathesis==4.32.5" || exit 1
+"$venv/bin/python" -c 'import openai' 2>/dev/null || "$venv/bin/pip" install -q "openai==3.57.0" || exit 1
 started=$(date -u +%Y-%m-%dT%H:%MZ)
 t0=$(date +%s)
 
 echo "reliability: cargo tests (with the soak)"
 export SPADE_RELIABILITY_REPORT="$work/cases.jsonl"
-cargo test -p spade-gateway --locked --test reliability --test reliability_faults --test e2e -- --include-ignored --test-threads 1 >"$work/tests.log" 2>&1
+SPADE_BURST=64 cargo test -p spade-gateway --locked --test reliability --test reliability_faults --test e2e \
+  --test private_ca --test router_admission -- --include-ignored --test-threads 1 >"$work/tests.log" 2>&1
 tests_rc=$?
 grep -E "^test result|FAILED|panicked" "$work/tests.log" | head -20
 
@@ -54,7 +58,15 @@ fuzz gateway openapi/gateway.json "http://127.0.0.1:$gport"
 alive=ok
 kill -0 "$vpid" 2>/dev/null || alive="verifier died"
 kill -0 "$gpid" 2>/dev/null || alive="gateway died"
-kill "$vpid" "$gpid" 2>/dev/null
+
+echo "reliability: a burst of 64 through the openai SDK against a line of 8"
+bport=$(free_port)
+SPADE_VERIFIER_API_KEY=$key "$bin/spade-gateway" --draft-model "$model" --verifier-url "http://127.0.0.1:$vport" \
+  --port "$bport" --api-key "$key" --max-queued 8 --log warn >"$work/gateway-burst.log" 2>&1 &
+bpid=$!
+for _ in $(seq 1 240); do curl -sf "http://127.0.0.1:$bport/health/ready" >/dev/null && break; sleep 0.5; done
+"$venv/bin/python" tests/openai_burst_check.py "http://127.0.0.1:$bport/v1" "$key" 64 "$work/cases.jsonl" || tests_rc=1
+kill "$vpid" "$gpid" "$bpid" 2>/dev/null
 
 "$venv/bin/python" - "$work" "$out/REPORT.md" "$started" "$(( $(date +%s) - t0 ))" "$tests_rc" "$alive" <<'PY'
 import json, os, platform, re, sys

@@ -13,6 +13,12 @@ is read from core/src/protocol.rs, AFFINITY_HEADER), so that a conversation keep
 replica that holds its prefix cache: the nginx upstream hash, Caddy's header policy, the Ingress's
 upstream-hash-by annotation.
 
+Health checks: whatever waits for a server or routes to it (HEALTHCHECK, compose healthchecks and
+depends_on, Caddy's active checks, startup and readiness probes) asks /health/ready (/health is the
+same); only the Kubernetes liveness probe asks /health/live, which is 200 while the model still
+loads, so that a replica is restarted when its scoring thread dies, never for being busy or loading.
+A NetworkPolicy admits only gateways and the ingress controller to the verifier's port.
+
 Prints one line per problem and exits 1 if there is any.
 """
 
@@ -34,6 +40,14 @@ READ_SECS = 600
 # (and not even count it as a failure), so its conversations would fail instead of moving.
 FAILOVER = {"error", "timeout", "http_503", "non_idempotent"}
 FAILOVER_WHY = "a dead or loading replica must cost a re-prefill on the next one, not an error"
+# Readiness (200 once the model is loaded; /health is the same route) and liveness paths of both servers.
+READY = ("/health/ready", "/health")
+LIVE = "/health/live"
+READY_WHY = "must check readiness (/health/ready), not liveness: /health/live is 200 while the model still loads"
+# The pod labels of in-cluster gateways, which the verifier's NetworkPolicy admits.
+GATEWAY_LABELS = {"app.kubernetes.io/name": "spade-gateway"}
+# The namespace of the ingress controller verifier-ingress.yaml is written for (class nginx).
+INGRESS_NAMESPACE = "ingress-nginx"
 
 
 def need(cond, msg):
@@ -54,6 +68,17 @@ def affinity_header():
 def nginx_var(header):
     """nginx's variable for a request header: $http_ + lower case, '-' as '_'."""
     return "$http_" + header.lower().replace("-", "_")
+
+
+def url_paths(text):
+    """The paths of the http(s) URLs in a health check command, e.g. ['/health/ready']."""
+    return re.findall(r"https?://[^/\s\"']+(/[^\s\"'|;]*)", text)
+
+
+def ready_check(text):
+    """Whether a health check command asks a readiness path, and nothing else."""
+    paths = url_paths(text)
+    return bool(paths) and all(p in READY for p in paths)
 
 
 def size_bytes(v):
@@ -186,7 +211,8 @@ def check_docker(root):
                 continue
             user = re.findall(r"^USER\s+(\S+)", stage, re.M)
             need(user and user[-1].split(":")[0] not in ("root", "0"), f"{name}: target {target} does not run as a non-root USER")
-            need(re.search(r"^HEALTHCHECK .*/health", stage, re.M | re.S), f"{name}: target {target} has no HEALTHCHECK on /health")
+            check = re.search(r"^HEALTHCHECK (?:.*\\\n)*.*$", stage, re.M)
+            need(check and ready_check(check.group(0)), f"{name}: target {target} has no HEALTHCHECK on /health/ready or /health; it {READY_WHY}")
             need(re.search(r"^EXPOSE\s+\d+", stage, re.M), f"{name}: target {target} has no EXPOSE")
             need(re.search(r"^ENTRYPOINT\s+\[", stage, re.M), f"{name}: target {target} has no exec-form ENTRYPOINT")
         for target in ("verifier", "gateway"):
@@ -212,7 +238,8 @@ def check_compose(path):
         for name in ("verifier", "gateway"):
             mounts = [m for m in svc[name].get("volumes", []) if m.get("target") == "/models"]
             need(mounts and all(m.get("read_only") for m in mounts), f"compose: {name} has no read-only /models volume")
-            need("/health" in " ".join(svc[name].get("healthcheck", {}).get("test", [])), f"compose: {name} healthcheck does not hit /health")
+            need(ready_check(" ".join(svc[name].get("healthcheck", {}).get("test", []))),
+                 f"compose: {name} healthcheck does not hit /health/ready; it {READY_WHY}")
             need(svc[name].get("build", {}).get("target") == name, f"compose: {name} does not build the `{name}` Dockerfile target")
         need("latency" in svc["link"].get("profiles", []), "compose: link is not in the `latency` profile")
         need("tls" in svc["tls"].get("profiles", []), "compose: tls is not in the `tls` profile")
@@ -234,7 +261,7 @@ def check_compose_replicas(svc):
     conf = [m for m in lb.get("volumes", []) if m.get("target") == "/etc/nginx/nginx.conf"]
     need(conf and all(m.get("read_only") and m.get("source", "").endswith("/deploy/nginx/nginx.conf") for m in conf),
          "compose: lb does not mount deploy/nginx/nginx.conf read-only at /etc/nginx/nginx.conf")
-    need("/health" in " ".join(lb.get("healthcheck", {}).get("test", [])), "compose: lb healthcheck does not hit /health")
+    need(ready_check(" ".join(lb.get("healthcheck", {}).get("test", []))), f"compose: lb healthcheck does not hit /health/ready; it {READY_WHY}")
     for name in ("verifier", "verifier-b"):
         need(name in lb.get("depends_on", {}), f"compose: lb does not depend on {name}")
     dep = svc["gateway"].get("depends_on", {}).get("lb", {})
@@ -369,7 +396,7 @@ def check_caddy(adapted, upstreams):
         policy = p.get("load_balancing", {}).get("selection_policy", {})
         need(policy.get("policy") == "header" and policy.get("field", "").lower() == header,
              f"caddy: reverse_proxy does not choose its upstream by the {header} header (lb_policy header)")
-        need(p.get("health_checks", {}).get("active", {}).get("uri") == "/health", "caddy: reverse_proxy does not health-check /health")
+        need(p.get("health_checks", {}).get("active", {}).get("uri") in READY, f"caddy: reverse_proxy does not health-check /health/ready; it {READY_WHY}")
 
 
 # --- kubernetes ---------------------------------------------------------------------------------
@@ -398,8 +425,10 @@ def check_k8s(path, folder):
     need(spec.get("replicas", 1) >= 2, "k8s: the verifier Deployment should run several replicas")
     need(pod.get("securityContext", {}).get("runAsNonRoot") is True, "k8s: pod securityContext.runAsNonRoot is not true")
     c = pod["containers"][0]
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        need(c.get(probe, {}).get("httpGet", {}).get("path") == "/health", f"k8s: {probe} is not an HTTP GET on /health")
+    for probe in ("startupProbe", "readinessProbe"):
+        need(c.get(probe, {}).get("httpGet", {}).get("path") in READY, f"k8s: {probe} is not an HTTP GET on /health/ready; it {READY_WHY}")
+    need(c.get("livenessProbe", {}).get("httpGet", {}).get("path") == LIVE,
+         f"k8s: livenessProbe is not an HTTP GET on {LIVE}: on readiness, a replica would be restarted for being busy or not ready")
     csc = c.get("securityContext", {})
     need(csc.get("allowPrivilegeEscalation") is False, "k8s: container allows privilege escalation")
     need("ALL" in csc.get("capabilities", {}).get("drop", []), "k8s: container does not drop ALL capabilities")
@@ -417,6 +446,7 @@ def check_k8s(path, folder):
          "k8s: the Service has sessionAffinity: it would pin whole gateways to replicas; the Ingress hashes each conversation instead")
     check_ingress(by_kind.get("Ingress", []), svc)
     port_names = {p.get("name") for p in c.get("ports", [])} | {p["containerPort"] for p in c.get("ports", [])}
+    check_network_policy(by_kind.get("NetworkPolicy", []), labels, port_names)
     for p in svc["spec"]["ports"]:
         need(p.get("targetPort") in port_names, f"k8s: Service targetPort {p.get('targetPort')} is not a container port")
     for hpa in by_kind.get("HorizontalPodAutoscaler", []):
@@ -426,6 +456,51 @@ def check_k8s(path, folder):
     claims = {v["persistentVolumeClaim"]["claimName"] for v in pod.get("volumes", []) if "persistentVolumeClaim" in v}
     rendered_claims = {p["metadata"]["name"] for p in by_kind.get("PersistentVolumeClaim", [])}
     need(claims <= rendered_claims, f"k8s: PVC(s) {sorted(claims - rendered_claims)} used but not defined")
+
+
+def check_network_policy(policies, labels, ports):
+    """Only gateways and the ingress controller reach the verifier pods, on the verifier's port."""
+
+    def everything(sel):
+        """A selector given but empty: every pod (or namespace)."""
+        return sel is not None and not sel.get("matchLabels") and not sel.get("matchExpressions")
+
+    def selects(sel):
+        """A selector that picks the verifier pods by their labels (an empty one, every pod, does not count)."""
+        ml = sel.get("matchLabels") or {}
+        return ml and not sel.get("matchExpressions") and all(labels.get(k) == v for k, v in ml.items())
+
+    ports = {p for p in ports if p is not None}
+    mine = [p for p in policies if selects(p["spec"].get("podSelector") or {})]
+    if not need(mine, "k8s: no NetworkPolicy selects the verifier pods by their labels: every pod in the cluster could reach them"):
+        return
+    peers = []
+    for pol in mine:
+        name = f"k8s: NetworkPolicy {pol['metadata']['name']}"
+        spec = pol["spec"]
+        need("Ingress" in spec.get("policyTypes", []), f"{name}: policyTypes does not include Ingress")
+        for rule in spec.get("ingress", []):
+            sources = rule.get("from", [])
+            need(sources, f"{name}: an ingress rule has no `from`: it admits every source")
+            for peer in sources:
+                ns, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+                need(not (everything(ns) and (pods is None or everything(pods))),
+                     f"{name}: a peer admits every pod of every namespace (empty namespaceSelector)")
+                need(not (everything(pods) and ns is None), f"{name}: a peer admits every pod of the namespace (empty podSelector)")
+                need(peer.get("ipBlock", {}).get("cidr") not in ("0.0.0.0/0", "::/0"), f"{name}: a peer admits every address")
+            peers += sources
+            rule_ports = rule.get("ports", [])
+            need(rule_ports, f"{name}: an ingress rule has no `ports`: it admits every port of the pods")
+            for p in rule_ports:
+                need(p.get("port") in ports and p.get("protocol", "TCP") == "TCP" and "endPort" not in p,
+                     f"{name}: ingress port {p.get('port')}/{p.get('protocol', 'TCP')} is not the verifier's container port "
+                     f"({', '.join(str(x) for x in sorted(ports, key=str))})")
+    need(any((p.get("podSelector") or {}).get("matchLabels", {}).items() >= GATEWAY_LABELS.items() for p in peers),
+         f"k8s: the verifier's NetworkPolicy has no podSelector peer for gateways "
+         f"({', '.join(f'{k}: {v}' for k, v in GATEWAY_LABELS.items())})")
+    need(any((p.get("namespaceSelector") or {}).get("matchLabels", {}).get("kubernetes.io/metadata.name") == INGRESS_NAMESPACE
+             for p in peers),
+         f"k8s: the verifier's NetworkPolicy does not admit the {INGRESS_NAMESPACE} namespace: the Ingress could not reach the pods")
 
 
 def check_ingress(ingresses, svc):

@@ -11,8 +11,9 @@
 #                             newest supported version) on every manifest and on the kustomize output
 #                             (`kubectl kustomize`)
 #   all of them               scripts/validate-deploy-policy.py: the project's invariants (non-root,
-#                             /health probes, ports, read-only models, AVX2 target kept, binaries exist,
-#                             replicas reached by a hash of the gateway's X-Spade-Affinity header)
+#                             health checks on /health/ready, liveness on /health/live, ports, read-only
+#                             models, AVX2 target kept, binaries exist, replicas reached by a hash of the
+#                             gateway's X-Spade-Affinity header, the verifier's NetworkPolicy)
 #
 # First it checks that each validator rejects a known-broken input, so a validator that silently
 # accepts everything is caught too. Exits non-zero if anything failed.
@@ -258,7 +259,7 @@ if [ -n "$caddy" ]; then
     check "deploy/caddy/Caddyfile, $n upstream(s)" "caddy $v_caddy adapt --validate" -- \
       to_file "$tmp/caddy-$n.json" caddy_adapt deploy/caddy/Caddyfile internal "$ups"
     if [ -s "$tmp/caddy-$n.json" ]; then
-      check "deploy/caddy/Caddyfile invariants, $n upstream(s) (header hash, /health)" "validate-deploy-policy.py" -- \
+      check "deploy/caddy/Caddyfile invariants, $n upstream(s) (header hash, /health/ready)" "validate-deploy-policy.py" -- \
         "$vpy" scripts/validate-deploy-policy.py caddy "$tmp/caddy-$n.json" "$n"
     fi
   done
@@ -281,8 +282,20 @@ if [ -n "$kubectl" ]; then
   if [ -s "$tmp/k8s.yaml" ]; then
     check "rendered kustomization against Kubernetes ${k8s_versions##* }" "kubernetes-validate $v_kval --strict" -- \
       "$kval" --strict --quiet "$tmp/k8s.yaml"
-    check "deploy/k8s invariants (probes, non-root, secret, ingress header hash)" "validate-deploy-policy.py" -- \
+    check "deploy/k8s invariants (probes, non-root, secret, ingress header hash, network policy)" "validate-deploy-policy.py" -- \
       "$vpy" scripts/validate-deploy-policy.py k8s "$tmp/k8s.yaml" deploy/k8s
+    # The same checks must catch a liveness probe on readiness, and a NetworkPolicy opened to every port.
+    sed 's|path: /health/live|path: /health/ready|' "$tmp/k8s.yaml" >"$tmp/bad/k8s-live.yaml"
+    reject "validate-deploy-policy.py rejects a livenessProbe on /health/ready" "validate-deploy-policy.py" -- \
+      "$vpy" scripts/validate-deploy-policy.py k8s "$tmp/bad/k8s-live.yaml" deploy/k8s
+    "$vpy" -c 'import sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+for d in docs:
+    for rule in d["spec"].get("ingress", []) if d["kind"] == "NetworkPolicy" else []:
+        rule.pop("ports", None)
+yaml.safe_dump_all(docs, open(sys.argv[2], "w"))' "$tmp/k8s.yaml" "$tmp/bad/k8s-netpol.yaml"
+    reject "validate-deploy-policy.py rejects a NetworkPolicy rule without ports" "validate-deploy-policy.py" -- \
+      "$vpy" scripts/validate-deploy-policy.py k8s "$tmp/bad/k8s-netpol.yaml" deploy/k8s
   fi
 else
   skip "kustomize build deploy/k8s" "no kubectl on PATH and Debian's kubernetes-client could not be fetched"

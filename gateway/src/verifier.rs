@@ -286,7 +286,13 @@ fn describe(e: &reqwest::Error) -> String {
     if e.is_timeout() {
         "timed out".into()
     } else if e.is_connect() {
-        "connection failed".into()
+        // The innermost cause says which: refused, unresolvable, or a certificate not trusted
+        // (`invalid peer certificate: UnknownIssuer`: see --verifier-ca).
+        let mut cause: &dyn std::error::Error = e;
+        while let Some(inner) = cause.source() {
+            cause = inner;
+        }
+        format!("connection failed: {cause}")
     } else {
         e.to_string()
     }

@@ -17,19 +17,6 @@ const PROMPTS: [&str; 3] = [
     "What is 12 times 12? Explain briefly.",
 ];
 
-/// Waits until the gateway's draft model is loaded (whatever the verifier's state): /health's answer.
-async fn wait_loaded(url: &str) -> (u16, Value) {
-    let deadline = Instant::now() + Duration::from_secs(180);
-    loop {
-        let (status, body) = health(url).await;
-        if status != 0 && body["status"] != "loading" {
-            return (status, body);
-        }
-        assert!(Instant::now() < deadline, "the gateway never finished loading");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verifier_down_at_start_then_up() {
     let port = free_port();
@@ -322,6 +309,74 @@ async fn thirty_two_concurrent_streams_all_finish() {
     );
     let pass = failed == 0 && ok + refused == 32;
     report("load", "32 concurrent streaming requests (8 tokens, T=0.7)", &observed, pass);
+    assert!(pass, "{observed}");
+}
+
+/// A burst against a bounded line: every answer a 200 or a 429 with `retry-after`, refusals at
+/// once, nothing hangs, and every 200 identical to target-only. CI runs 24 requests against
+/// `--max-queued 4`; scripts/reliability.sh runs 64 against 8 (`SPADE_BURST`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_is_answered_or_refused_at_once() {
+    let (total, queued) = match std::env::var("SPADE_BURST").ok().and_then(|n| n.parse().ok()) {
+        Some(n) => (n, 8),
+        None => (24, 4),
+    };
+    let expected = reference(&PROMPTS[..1], 8).await;
+    let verifier = start_verifier().await;
+    let gateway = start_gateway(&verifier.url, &["--max-queued", &queued.to_string()]).await;
+    let started = Instant::now();
+    let calls: Vec<_> = (0..total)
+        .map(|_| {
+            let url = gateway.url.clone();
+            tokio::spawn(async move {
+                let t0 = Instant::now();
+                let r = reqwest::Client::new()
+                    .post(format!("{url}/v1/chat/completions"))
+                    .json(&request(PROMPTS[0], 8, json!({})))
+                    .timeout(Duration::from_secs(300))
+                    .send()
+                    .await
+                    .unwrap();
+                let (status, after) =
+                    (r.status().as_u16(), r.headers().get("retry-after").cloned());
+                let body: Value = r.json().await.unwrap_or(Value::Null);
+                (status, after, body, t0.elapsed().as_secs_f64() * 1e3)
+            })
+        })
+        .collect();
+    let (mut identical, mut differ, mut other) = (0, 0, Vec::new());
+    let mut refusals_ms = Vec::new();
+    for call in calls {
+        match call.await.unwrap() {
+            (200, _, body, _) if content(&body) == expected[0] => identical += 1,
+            (200, _, _, _) => differ += 1,
+            (429, Some(_), body, ms) if body["error"]["code"] == "rate_limit_exceeded" => {
+                refusals_ms.push(ms)
+            }
+            (status, _, body, _) => other.push(format!("{status} {body}")),
+        }
+    }
+    refusals_ms.sort_by(f64::total_cmp);
+    let p99 = if refusals_ms.is_empty() { 0.0 } else { percentile(&refusals_ms, 0.99) };
+    let observed = format!(
+        "{total} at once, --max-running 4 --max-queued {queued}: {identical} answered identical to target-only, {differ} different, {} refused with 429 + retry-after (p99 {p99:.0} ms, max {:.0} ms), {} other{}; all done in {:.1} s",
+        refusals_ms.len(),
+        refusals_ms.last().copied().unwrap_or(0.0),
+        other.len(),
+        other.first().map(|e| format!(" (first: {e})")).unwrap_or_default(),
+        started.elapsed().as_secs_f64()
+    );
+    let pass = differ == 0
+        && other.is_empty()
+        && identical >= 4 + queued
+        && identical + refusals_ms.len() == total
+        && p99 < 100.0;
+    report(
+        "load",
+        &format!("burst of {total} requests against a line of {queued}"),
+        &observed,
+        pass,
+    );
     assert!(pass, "{observed}");
 }
 

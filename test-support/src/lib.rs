@@ -3,6 +3,7 @@
 //! - [`models`]: where the real test models are.
 //! - [`process`]: a server binary as a child process on a free loopback port, logs captured, killed on drop.
 //! - [`fake`]: deterministic scorer and edge model, for router tests only (everything else uses real models).
+//! - [`report`]: one observed case of the reliability report (scripts/reliability.sh renders it).
 //! - [`rss_mb`], [`threads`]: a process's resident memory and thread count; [`chi_square_critical`]: the statistical tests' bound.
 
 pub mod fake;
@@ -29,4 +30,17 @@ pub fn threads(pid: u32) -> usize {
 pub fn chi_square_critical(df: usize) -> f64 {
     let (df, z) = (df as f64, 3.719);
     df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
+}
+
+/// Appends one observed case to the reliability report, where `SPADE_RELIABILITY_REPORT` names its
+/// case file (scripts/reliability.sh sets it and renders the report); prints it either way.
+pub fn report(area: &str, case: &str, observed: &str, pass: bool) {
+    eprintln!("[{}] {area}: {case}: {observed}", if pass { "PASS" } else { "FAIL" });
+    if let Some(path) = std::env::var_os("SPADE_RELIABILITY_REPORT") {
+        use std::io::Write;
+        let line =
+            serde_json::json!({"area": area, "case": case, "observed": observed, "pass": pass});
+        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
+        writeln!(f, "{line}").unwrap();
+    }
 }

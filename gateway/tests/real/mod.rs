@@ -4,7 +4,7 @@
 #![allow(dead_code, unused_imports)]
 
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use spade_engine::speculative::{generate, GenerateParams};
@@ -12,6 +12,7 @@ use spade_engine::{CandleScorer, EdgeModel, MistralDrafter, ModelSource, Role, S
 pub use spade_test_support::models::tiny;
 use spade_test_support::process::unless_given;
 pub use spade_test_support::process::{free_port, Server};
+pub use spade_test_support::report;
 
 pub const KEY: &str = "e2e-key";
 
@@ -30,6 +31,19 @@ pub async fn health(url: &str) -> (u16, Value) {
     {
         Ok(r) => (r.status().as_u16(), r.json().await.unwrap_or(Value::Null)),
         Err(_) => (0, Value::Null),
+    }
+}
+
+/// Waits until the gateway's draft model is loaded (whatever the verifier's state): /health's answer.
+pub async fn wait_loaded(url: &str) -> (u16, Value) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    loop {
+        let (status, body) = health(url).await;
+        if status != 0 && body["status"] != "loading" {
+            return (status, body);
+        }
+        assert!(Instant::now() < deadline, "the gateway never finished loading");
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
@@ -238,15 +252,4 @@ pub async fn metric(url: &str, name: &str) -> f64 {
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
-}
-
-/// Appends one observed case to the reliability report (scripts/reliability.sh renders it).
-pub fn report(area: &str, case: &str, observed: &str, pass: bool) {
-    eprintln!("[{}] {area}: {case}: {observed}", if pass { "PASS" } else { "FAIL" });
-    if let Some(path) = std::env::var_os("SPADE_RELIABILITY_REPORT") {
-        use std::io::Write;
-        let line = json!({"area": area, "case": case, "observed": observed, "pass": pass});
-        let mut f = std::fs::OpenOptions::new().create(true).append(true).open(path).unwrap();
-        writeln!(f, "{line}").unwrap();
-    }
 }
