@@ -50,6 +50,17 @@ url="http://127.0.0.1:$SPADE_GATEWAY_PORT"
 "$venv/bin/python" tests/openai_tools_check.py "$url/v1" >"$SPADE_RUN_DIR/tools.json"
 echo "sdk_e2e: openai SDK tools (Qwen pair): tool_calls -> tool message -> answer, streamed and not, equal to target-only; parallel_tool_calls; forced calls and parse(response_format=Pydantic) equal to target-only"
 python3 -c 'import json, sys; r = json.load(open(sys.argv[1])); print("sdk_e2e: parsed", json.dumps(r["parsed"]), "forced", json.dumps([v for k, v in r.items() if k.startswith("forced")]))' "$SPADE_RUN_DIR/tools.json"
+# Fill-in-the-middle through the SDK's `suffix` (Qwen2.5-Coder has the FIM tokens): target-only's middle.
+"$venv/bin/python" - "$url/v1" <<'PY'
+import sys
+from openai import OpenAI
+client = OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0, timeout=300)
+ask = dict(model="spade", prompt="def is_even(n):\n    ", suffix="\n\nprint(is_even(4))\n", max_tokens=24, temperature=0)
+middle = client.completions.create(**ask).choices[0].text
+target_only = client.completions.create(**ask, extra_body={"spade": {"draft_len": 0}}).choices[0].text
+assert middle and middle == target_only, (middle, target_only)
+print(f"sdk_e2e: openai SDK completions with suffix (fill-in-the-middle): {middle!r}, equal to target-only")
+PY
 node_dir="${SPADE_NODE_DIR:-$HOME/.cache/spade/node}"
 if [ ! -d "$node_dir/node_modules/openai" ]; then
   mkdir -p "$node_dir"

@@ -8,6 +8,7 @@
 //! - [`rng`]: randomness keyed by (seed, position), so verification is reproducible and idempotent.
 //! - [`grammar`]: constrained decoding: a grammar's token masks, advanced over the output so far.
 //! - [`tools`]: tool-calling wire types and the parser that finds calls in a model's text.
+//! - [`fim`]: fill-in-the-middle prompts (llama.cpp's `/infill` layout) and an editor's line rules.
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times,
 //!   and the record of each round that the speculative loop logs.
@@ -18,8 +19,9 @@
 //! - [`metrics`]: Prometheus rendering both servers use.
 //! - [`fastmath`]: a vectorisable `e^x` for the per-vocabulary and per-score loops.
 //! - [`wire`]: the compact binary form of `/verify`.
-//! - [`openai`], [`vllm`], [`protocol`], [`error`]: wire types of the public API (OpenAI's, and vLLM's
-//!   `/tokenize` and `/detokenize`), of `/verify`, and the error body.
+//! - [`openai`], [`vllm`], [`llama_server`], [`protocol`], [`error`]: wire types of the public API
+//!   (OpenAI's, vLLM's `/tokenize` and `/detokenize`, llama-server's `/infill`), of `/verify`, and the
+//!   error body.
 
 pub mod affinity;
 pub mod batching;
@@ -27,8 +29,10 @@ pub mod dist;
 pub mod draft_control;
 pub mod error;
 pub mod fastmath;
+pub mod fim;
 pub mod grammar;
 pub mod limits;
+pub mod llama_server;
 pub mod metrics;
 pub mod openai;
 pub mod pass_times;

@@ -184,7 +184,8 @@ pub struct CompletionRequest {
     /// Put the prompt in front of the completion's text.
     #[serde(default, deserialize_with = "null_as_default")]
     pub echo: bool,
-    /// Text after the completion (fill-in-the-middle): refused by name unless empty.
+    /// Text after the completion (fill-in-the-middle): the prompt is the text before the gap and
+    /// the answer its middle. Models without FIM tokens refuse it by name.
     #[serde(default)]
     pub suffix: Option<String>,
     /// Refused by name unless 1 (the server would have to rank candidates it does not return).

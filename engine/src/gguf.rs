@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, Value};
 use sha2::{Digest, Sha256};
+use spade_core::fim::{self, FimTokens};
 use spade_core::grammar::{Spelling, TokenKind, Vocabulary};
 use spade_core::protocol::vocabulary_mismatch;
 
@@ -73,6 +74,8 @@ pub struct ModelMeta {
     pub text_tokens: u32,
     pub max_context: u32,
     pub chat_template: Option<String>,
+    /// The fill-in-the-middle tokens, where the vocabulary has them.
+    pub fim: Option<FimTokens>,
 }
 
 /// GGUF's token type of unused (padding) tokens.
@@ -179,7 +182,8 @@ impl GgufFile {
         let mut stop_token_ids: Vec<u32> =
             self.u32("tokenizer.ggml.eos_token_id").into_iter().collect();
         for (id, t) in tokens.iter().enumerate() {
-            if END_TOKENS.contains(&t.as_str()) && !stop_token_ids.contains(&(id as u32)) {
+            let ends = END_TOKENS.contains(&t.as_str()) || fim::END_TOKENS.contains(&t.as_str());
+            if ends && !stop_token_ids.contains(&(id as u32)) {
                 stop_token_ids.push(id as u32);
             }
         }
@@ -194,6 +198,7 @@ impl GgufFile {
             tokenizer_fingerprint: fingerprint,
             text_tokens: (text_tokens as u32).min(vocab_size),
             chat_template: self.string("tokenizer.chat_template").ok(),
+            fim: FimTokens::find(|name| tokens.iter().position(|t| t == name).map(|i| i as u32)),
         })
     }
 }

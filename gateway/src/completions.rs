@@ -7,6 +7,7 @@ use spade_core::openai::{CompletionRequest, Prompt, TextCompletion};
 use spade_http::Json;
 
 use crate::error::ApiError;
+use crate::infill;
 use crate::request::{self, refuse, GenerationErrors};
 use crate::respond::Shape;
 use crate::state::AppState;
@@ -29,7 +30,10 @@ fn single_prompt(prompt: Prompt) -> Result<Prompt, ApiError> {
 /// chat template: drafted by the edge model, verified by the cloud model, exactly the cloud model's
 /// output (greedy: token for token; sampled: its distribution). `echo` puts the prompt's text first;
 /// `logprobs` (0 to 20) returns the target's log-probabilities in the legacy shape. With
-/// `stream: true`, `text_completion` chunks over SSE ending in `data: [DONE]`.
+/// `stream: true`, `text_completion` chunks over SSE ending in `data: [DONE]`. With `suffix`, the
+/// prompt is the text before a gap and `suffix` the text after it: the answer is the middle
+/// (fill-in-the-middle, for models with FIM tokens such as Qwen2.5-Coder; 400 naming `suffix`
+/// for others).
 #[utoipa::path(
     post,
     path = "/v1/completions",
@@ -51,8 +55,9 @@ pub async fn completions(
     state.metrics.record_request();
     let ticket = state.admission.admit(req.generation.n.unwrap_or(1)).await?;
     let prepared = async {
-        if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-            return Err(refuse("suffix", "suffix (fill-in-the-middle) is not supported"));
+        let suffix = req.suffix.filter(|s| !s.is_empty());
+        if suffix.is_some() && req.echo {
+            return Err(refuse("echo", "echo with suffix is not supported"));
         }
         if req.best_of.is_some_and(|n| n != 1) {
             return Err(refuse("best_of", "only best_of = 1 is supported"));
@@ -64,6 +69,10 @@ pub async fn completions(
         let decoding = request::decoding(req.generation, None, top_logprobs)?;
         let model = state.model()?.clone();
         let (prompt, text) = match single_prompt(req.prompt)? {
+            // A fill-in-the-middle prefix: the FIM tokens stand where special tokens would.
+            Prompt::Text(text) if suffix.is_some() => {
+                (model.encode_text(&text, false).await?, text)
+            }
             Prompt::Text(text) => (model.encode_text(&text, true).await?, text),
             Prompt::Tokens(ids) => {
                 let vocab = model.meta().vocab_size;
@@ -82,6 +91,10 @@ pub async fn completions(
             Prompt::Texts(_) | Prompt::TokenLists(_) => {
                 unreachable!("single_prompt returns one prompt")
             }
+        };
+        let prompt = match suffix {
+            Some(suffix) => infill::middle_of(model.as_ref(), prompt, &suffix).await?,
+            None => prompt,
         };
         if prompt.is_empty() {
             return Err(ApiError::invalid("prompt", "the prompt is empty"));

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rand::Rng;
+use spade_core::fim::LineLimits;
 use spade_core::grammar::{Grammar, GrammarConstraint};
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
@@ -54,6 +55,31 @@ pub struct Job {
     /// The conversation's routing key, sent to the verifier in spade-core's `AFFINITY_HEADER` (see
     /// spade-core's `affinity`), so that a load balancer keeps its turns on one replica.
     pub affinity: String,
+    /// An editor's line rules (`/infill`'s `n_indent`, `t_max_predict_ms`); None: none.
+    pub line_rules: Option<LineRules>,
+}
+
+/// llama-server's line rules for an editor completion (spade-core's `fim::LineLimits`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LineRules {
+    pub n_indent: usize,
+    /// Counted from the first token: past it, the answer ends with the next line end.
+    pub time_limit: Option<std::time::Duration>,
+}
+
+/// Why the text ended, finer than [`FinishReason`] (llama-server's `stop_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// The model's end token.
+    Token,
+    /// A stop sequence.
+    Sequence,
+    /// A line rule ([`LineRules`]).
+    LineRule,
+    /// The token budget.
+    Length,
+    /// A tool call under `parallel_tool_calls: false`.
+    ToolCall,
 }
 
 /// A grammar as the verifier is sent it, and compiled for the draft.
@@ -88,6 +114,7 @@ pub enum Event {
     ToolCall(ToolCall),
     Finished {
         finish: FinishReason,
+        ending: Ending,
         record: Box<GenerationRecord>,
     },
     Failed(ApiError),
@@ -105,10 +132,10 @@ pub async fn run(state: AppState, job: Job, events: mpsc::Sender<Event>) {
         }
     };
     match outcome {
-        Ok((finish, mut record)) => {
+        Ok((finish, ending, mut record)) => {
             record.duration = started.elapsed();
             state.metrics.record_generation(&record);
-            let _ = events.send(Event::Finished { finish, record: Box::new(record) }).await;
+            let _ = events.send(Event::Finished { finish, ending, record: Box::new(record) }).await;
         }
         Err(e) => {
             tracing::warn!("generation failed: {e}");
@@ -123,7 +150,7 @@ async fn generate(
     job: &Job,
     events: mpsc::Sender<Event>,
     started: Instant,
-) -> Result<(FinishReason, GenerationRecord), ApiError> {
+) -> Result<(FinishReason, Ending, GenerationRecord), ApiError> {
     let model = state.model()?.clone();
     // Seeded sampling should reproduce: start it on a fresh draft cache (see Drafter).
     model.begin_generation(job.reproducible).await;
@@ -159,8 +186,7 @@ async fn generate(
         job.binary,
         job.affinity.clone(),
     );
-    let mut output =
-        Output::new(model.clone(), &job.stops, job.tool_calls.clone(), events, started);
+    let mut output = Output::new(model.clone(), job, events, started);
     let end =
         speculative::run(Some(model.as_ref()), &mut remote, &job.prompt, &params, &mut output)
             .await
@@ -171,12 +197,13 @@ async fn generate(
                 }
                 LoopError::Verifier(VerifyFailure::Rejected(e)) => ApiError::VerifierFailed(e),
             })?;
-    let finish = match end.finish {
-        // The sink stops at a stop sequence, or after the one call `parallel_tool_calls: false` allows.
-        Finish::Sink if output.calls > 0 => FinishReason::ToolCalls,
-        Finish::Sink => FinishReason::Stop,
-        Finish::StopToken => output.finish(FinishReason::Stop).await?,
-        Finish::Length => output.finish(FinishReason::Length).await?,
+    let (finish, ending) = match end.finish {
+        // The sink stops at a stop sequence or a line rule, or after the one call
+        // `parallel_tool_calls: false` allows.
+        Finish::Sink if output.calls > 0 => (FinishReason::ToolCalls, Ending::ToolCall),
+        Finish::Sink => (FinishReason::Stop, output.ending.unwrap_or(Ending::Sequence)),
+        Finish::StopToken => output.finish(FinishReason::Stop, Ending::Token).await?,
+        Finish::Length => output.finish(FinishReason::Length, Ending::Length).await?,
     };
     let stats = end.stats;
     let record = GenerationRecord {
@@ -206,7 +233,7 @@ async fn generate(
         },
         auto: stats.choice,
     };
-    Ok((finish, record))
+    Ok((finish, ending, record))
 }
 
 /// Tells the draft model that the generation ended, however it ends (finished, failed, abandoned).
@@ -235,17 +262,23 @@ struct Output {
     events: mpsc::Sender<Event>,
     started: Instant,
     ttft: Option<std::time::Duration>,
+    /// The line rules and their time limit, where the request has them.
+    lines: Option<(LineLimits, Option<std::time::Duration>)>,
+    /// When the first token was committed (the line rules' time limit counts from it).
+    first_token: Option<Instant>,
+    /// Why the sink stopped the generation, when it did.
+    ending: Option<Ending>,
 }
 
 impl Output {
     fn new(
         model: Arc<dyn EdgeModel>,
-        stops: &[String],
-        tools: Option<ToolCalls>,
+        job: &Job,
         events: mpsc::Sender<Event>,
         started: Instant,
     ) -> Self {
-        let stops = StopMatcher::new(stops.to_vec());
+        let stops = StopMatcher::new(job.stops.clone());
+        let tools = job.tool_calls.clone();
         let single_call = tools.as_ref().is_some_and(|t| !t.parallel);
         let parser = tools.map(|t| ToolCallParser::new(t.names));
         Self {
@@ -259,25 +292,51 @@ impl Output {
             events,
             started,
             ttft: None,
+            lines: job.line_rules.map(|r| (LineLimits::new(r.n_indent), r.time_limit)),
+            first_token: None,
+            ending: None,
         }
     }
 
     /// Flushes held-back text and ends (with `stop` after all if that text completes a stop sequence).
-    async fn finish(&mut self, finish: FinishReason) -> Result<FinishReason, ApiError> {
+    async fn finish(
+        &mut self,
+        finish: FinishReason,
+        ending: Ending,
+    ) -> Result<(FinishReason, Ending), ApiError> {
         let model = self.model.clone();
         let tail = self.decoder.finish(|ids| model.decode(ids))?;
         let mut step = self.stops.push(&tail);
         if !step.stopped {
             step.emit.push_str(&self.stops.finish());
         }
-        self.send_text(step.emit).await;
+        let (mut text, limited) = self.apply_line_rules(step.emit);
+        if !limited {
+            text.extend(self.lines.as_mut().map(|(l, _)| l.finish()));
+        }
+        self.send_text(text).await;
         let held = self.parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
         self.send(held).await;
-        Ok(match (self.calls, step.stopped) {
-            (1.., _) => FinishReason::ToolCalls,
-            (0, true) => FinishReason::Stop,
-            (0, false) => finish,
+        Ok(match (self.calls, step.stopped, limited) {
+            (1.., _, _) => (FinishReason::ToolCalls, Ending::ToolCall),
+            (0, true, _) => (FinishReason::Stop, Ending::Sequence),
+            (0, false, true) => (FinishReason::Stop, Ending::LineRule),
+            (0, false, false) => (finish, ending),
         })
+    }
+
+    /// `text` through the line rules, if the request has them: what to send, and whether they end
+    /// the answer here.
+    fn apply_line_rules(&mut self, text: String) -> (String, bool) {
+        let Some((limits, time_limit)) = self.lines.as_mut() else {
+            return (text, false);
+        };
+        let late = match (time_limit, self.first_token) {
+            (Some(limit), Some(first)) => first.elapsed() > *limit,
+            _ => false,
+        };
+        let step = limits.push(&text, late);
+        (step.emit, step.stopped)
     }
 
     /// Sends text on, through the tool-call parser when there is one. Returns whether generation
@@ -351,10 +410,17 @@ impl TokenSink for Output {
             let content = self.logprob_content(lp)?;
             self.pending_logprobs.push(content);
         }
+        self.first_token.get_or_insert_with(Instant::now);
         let model = self.model.clone();
         let text = self.decoder.push(token, |ids| model.decode(ids))?;
         let step = self.stops.push(text.as_deref().unwrap_or(""));
-        let called = self.send_text(step.emit).await;
-        Ok(if step.stopped || called { Flow::Stop } else { Flow::Continue })
+        let (text, limited) = self.apply_line_rules(step.emit);
+        let called = self.send_text(text).await;
+        if step.stopped {
+            self.ending = Some(Ending::Sequence);
+        } else if limited {
+            self.ending = Some(Ending::LineRule);
+        }
+        Ok(if step.stopped || limited || called { Flow::Stop } else { Flow::Continue })
     }
 }

@@ -4,7 +4,7 @@
 //! Handlers are thin: `chat` and `completions` validate (the fields they share in `request`) and
 //! start a `generation` (the draft/verify loop), `respond` shapes its events into OpenAI JSON or SSE,
 //! `verifier` is the HTTP client of the cloud side, `tokenize` answers vLLM's `/tokenize` and
-//! `/detokenize`.
+//! `/detokenize`, `infill` llama-server's `/infill` (fill-in-the-middle), `admission` bounds the work.
 //! The server skeleton (auth, errors, flags, serving) is spade-http's.
 
 mod admin;
@@ -14,6 +14,7 @@ mod completions;
 pub mod config;
 mod error;
 mod generation;
+mod infill;
 mod metrics;
 pub mod openapi;
 mod request;
@@ -35,6 +36,7 @@ pub fn router(state: AppState) -> Router {
     let protected = Router::new()
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/infill", post(infill::infill))
         .route("/v1/models", get(admin::models))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))

@@ -1,5 +1,6 @@
 //! The OpenAPI document, generated from the handlers' annotations; spade-http adds the shared parts.
 
+use spade_core::llama_server::{InfillAnswer, InfillChunk, InfillRequest, InfillTimings};
 use spade_core::openai::{
     ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, CompletionRequest, ModelList,
     SpadeUsage, TextCompletion, Usage,
@@ -15,11 +16,12 @@ use crate::admin::Health;
 #[openapi(
     info(
         title = "SPADE gateway",
-        description = "Edge side of SPADE: OpenAI-compatible chat completions and completions, drafted locally and verified by the cloud model."
+        description = "Edge side of SPADE: OpenAI-compatible chat completions and completions, and llama-server's /infill, drafted locally and verified by the cloud model."
     ),
     paths(
         crate::chat::chat_completions,
         crate::completions::completions,
+        crate::infill::infill,
         crate::tokenize::tokenize,
         crate::tokenize::detokenize,
         crate::admin::models,
@@ -33,6 +35,10 @@ use crate::admin::Health;
         ChatCompletionChunk,
         CompletionRequest,
         TextCompletion,
+        InfillRequest,
+        InfillChunk,
+        InfillAnswer,
+        InfillTimings,
         Usage,
         SpadeUsage,
         ModelList,

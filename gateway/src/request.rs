@@ -320,6 +320,7 @@ pub async fn job(
         binary,
         grammar,
         affinity: spade_core::affinity::prompt_key(&prompt),
+        line_rules: None,
         prompt,
     })
 }
@@ -373,6 +374,24 @@ pub async fn answer(
         shape,
         d.n as usize,
     );
+    let events = start(state, d, job, ticket).await?;
+    if d.stream {
+        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive)
+            .into_response())
+    } else {
+        respond::collect(meta, events).await.map(|c| Json(c).into_response())
+    }
+}
+
+/// Starts the request's `n` generations (see [`answer`]) and waits for the first event of each
+/// that has started, so that a failure before any output gets a real status code: their events,
+/// tagged by choice.
+pub async fn start(
+    state: &AppState,
+    d: &Decoding,
+    job: Job,
+    ticket: Ticket,
+) -> Result<respond::Events, ApiError> {
     let one_by_one = job.reproducible && d.n > 1;
     let ticket = Arc::new(ticket);
     let (mut runs, mut receivers) = (Vec::new(), Vec::new());
@@ -420,11 +439,5 @@ pub async fn answer(
             futures::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (e, rx)) });
         tagged.push(futures::stream::iter(first).chain(rest).map(move |e| (index, e)).boxed());
     }
-    let events: respond::Events = futures::stream::select_all(tagged).boxed();
-    if d.stream {
-        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive)
-            .into_response())
-    } else {
-        respond::collect(meta, events).await.map(|c| Json(c).into_response())
-    }
+    Ok(futures::stream::select_all(tagged).boxed())
 }

@@ -379,7 +379,7 @@ pub async fn collect(meta: Meta, mut events: Events) -> Result<Value, ApiError> 
                 text[i as usize].1.extend(logprobs);
             }
             Some((i, Event::ToolCall(call))) => text[i as usize].2.push(call),
-            Some((i, Event::Finished { finish, record })) => {
+            Some((i, Event::Finished { finish, record, .. })) => {
                 let (content, logprobs, calls) = std::mem::take(&mut text[i as usize]);
                 done[i as usize] =
                     Some(Collected { content, calls, logprobs, finish, record: *record });
@@ -414,7 +414,7 @@ pub fn stream(
         let out = match events.next().await {
             Some((i, Event::Text { text, logprobs })) => vec![data(&meta.text(i, text, logprobs))],
             Some((i, Event::ToolCall(call))) => meta.tool_call(i, call).iter().map(data).collect(),
-            Some((i, Event::Finished { finish, record })) => {
+            Some((i, Event::Finished { finish, record, .. })) => {
                 records[i as usize] = Some(*record);
                 let mut out = vec![data(&meta.finish(i, finish))];
                 if records.iter().all(Option::is_some) {

@@ -300,6 +300,23 @@ async fn api_key_guards_everything_but_health() {
 }
 
 #[tokio::test]
+async fn fill_in_the_middle_without_fim_tokens_is_refused_by_name() {
+    let verifier = start_verifier(fake_scorer(), &[]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    for (path, body, param) in [
+        ("/v1/completions", json!({"prompt": "def f(", "suffix": ")"}), "suffix"),
+        ("/infill", json!({"input_prefix": "def f(", "input_suffix": ")"}), "input_prefix"),
+        ("/infill", json!({"input_prefix": "x", "repeat_penalty": 1.1}), "repeat_penalty"),
+        ("/infill", json!({"input_prefix": "x", "n_probs": 3}), "n_probs"),
+    ] {
+        let r = client().post(format!("{}{path}", gateway.url)).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 400, "{path} {body}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+}
+
+#[tokio::test]
 async fn metrics_public_opens_only_the_metrics() {
     let verifier = start_verifier(fake_scorer(), &[]).await;
     let gateway = start_gateway(&verifier.url, &["--api-key", "gkey", "--metrics-public"]).await;

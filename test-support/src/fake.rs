@@ -45,6 +45,7 @@ pub fn meta(name: &str, vocab_size: u32, max_context: u32) -> ModelMeta {
         text_tokens: vocab_size,
         max_context,
         chat_template: None,
+        fim: None,
     }
 }
 

@@ -71,6 +71,7 @@ fn meta() -> ModelMeta {
         text_tokens: 5000,
         max_context: 4096,
         chat_template: None,
+        fim: None,
     }
 }
 
