@@ -12,6 +12,7 @@
 //! - [`text`]: UTF-8-safe incremental detokenisation and stop sequences across chunk boundaries.
 //! - [`draft_control`]: how many tokens to draft per round, from online estimates of acceptance, link and compute times,
 //!   and the record of each round that the speculative loop logs.
+//! - [`lookup`]: drafts copied from a prediction (predicted outputs) or from the context (prompt lookup).
 //! - [`prefix_index`]: which cached token sequence shares the longest prefix with a new one (hash-chained blocks).
 //! - [`pass_times`]: a forward pass's time by rows, learnt as each size's own time times a pace all share.
 //! - [`retry`]: backoff with full jitter and `Retry-After` (seconds or a date), within the caller's deadline.
@@ -33,6 +34,7 @@ pub mod fim;
 pub mod grammar;
 pub mod limits;
 pub mod llama_server;
+pub mod lookup;
 pub mod metrics;
 pub mod openai;
 pub mod pass_times;

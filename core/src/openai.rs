@@ -168,6 +168,19 @@ pub struct GenerationFields {
     /// Extension: SPADE's own per-request settings.
     #[serde(default)]
     pub spade: Option<SpadeOptions>,
+    /// The answer the client expects (OpenAI's predicted outputs), e.g. a file it asked to have
+    /// rewritten with a small change: its tokens are proposed as drafts wherever the answer follows
+    /// it, and verified like any draft, so the answer is still the model's own.
+    #[serde(default)]
+    pub prediction: Option<Prediction>,
+}
+
+/// OpenAI's `prediction`: `{"type": "content", "content": text or text parts}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Prediction {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub content: MessageContent,
 }
 
 /// `POST /v1/completions` body (OpenAI's legacy completions): a raw prompt, no chat template.
@@ -220,6 +233,10 @@ pub struct SpadeOptions {
     /// verifier time). Default: the gateway's `--draft-len`.
     #[serde(default)]
     pub draft_len: Option<DraftLen>,
+    /// Propose drafts copied from the prompt or the answer where the answer repeats them (prompt
+    /// lookup). Default: the gateway's `--prompt-lookup`.
+    #[serde(default)]
+    pub lookup: Option<bool>,
 }
 
 /// A draft length: `"auto"` or a fixed number of tokens per round.
@@ -351,9 +368,9 @@ pub struct Choice {
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize, ToSchema)]
 pub struct CompletionTokensDetails {
-    /// Draft tokens the target accepted.
+    /// Tokens of the request's `prediction` that the answer kept (0 without one).
     pub accepted_prediction_tokens: u32,
-    /// Draft tokens the target rejected.
+    /// Tokens of the request's `prediction` the answer did not keep (0 without one).
     pub rejected_prediction_tokens: u32,
 }
 
@@ -376,6 +393,13 @@ pub struct SpadeUsage {
     pub bytes_received: u64,
     /// True when the verifier was unreachable and the draft model answered alone.
     pub degraded: bool,
+    /// Tokens the draft model proposed, and how many of them the target accepted
+    /// (`completion_tokens_details` counts the request's `prediction`, as OpenAI's).
+    pub drafted: u32,
+    pub draft_accepted: u32,
+    /// Tokens proposed by prompt lookup (copied from the prompt or the answer), and accepted.
+    pub looked_up: u32,
+    pub looked_up_accepted: u32,
     /// Prompt tokens the draft model did not recompute: its prefix cache held them from an earlier
     /// request when it started on the prompt (`prompt_tokens_details.cached_tokens` is the
     /// target's). Absent where the draft model did not draft.

@@ -3,6 +3,7 @@
 //! the gateway runs the same loop over HTTP.
 
 use spade_core::grammar::{Grammar, GrammarState};
+use spade_core::lookup::Proposer;
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, Penalties, SamplingParams};
 
@@ -94,6 +95,17 @@ pub async fn generate(
     prompt: &[u32],
     params: &GenerateParams,
 ) -> Result<Generation, LoopError> {
+    generate_proposing(drafter, target, prompt, params, None).await
+}
+
+/// [`generate`], with blocks copied from a prediction or the context where `proposer` has them.
+pub async fn generate_proposing(
+    drafter: Option<&dyn Drafter>,
+    target: &mut dyn ScoreSession,
+    prompt: &[u32],
+    params: &GenerateParams,
+    proposer: Option<Proposer>,
+) -> Result<Generation, LoopError> {
     params.sampling.validate().map_err(EngineError::from)?;
     if let Some(drafter) = drafter {
         drafter.begin_generation(true).await;
@@ -111,6 +123,7 @@ pub async fn generate(
         stop_token_ids: params.stop_token_ids.clone(),
         when_unreachable: WhenUnreachable::Fail,
         start_degraded: false,
+        proposer,
     };
     let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
     let grammar = params.grammar.as_ref().map(|g| g.start_at(prompt.len()));

@@ -9,12 +9,15 @@
 use std::time::{Duration, Instant};
 
 use spade_core::draft_control::{BlockKind, DraftChoice, RoundRecord};
+use spade_core::lookup::{Proposal, Proposer, Source};
 use spade_core::protocol::TokenLogprob;
-use spade_core::DraftToken;
+use spade_core::{DraftToken, SparseDist};
 
 pub use crate::drafting::DraftLength;
 use crate::drafting::{observation, Block, Drafted, Pacing};
-pub use crate::in_process::{generate, Collect, GenerateParams, Generation, LocalVerifier};
+pub use crate::in_process::{
+    generate, generate_proposing, Collect, GenerateParams, Generation, LocalVerifier,
+};
 use crate::{DraftParams, Drafter, EngineError};
 
 /// Verifies a drafted block proposed after `context` (prompt and committed tokens).
@@ -87,6 +90,9 @@ pub struct LoopParams {
     pub when_unreachable: WhenUnreachable,
     /// Start on the draft model alone (the verifier was already known to be down).
     pub start_degraded: bool,
+    /// Blocks copied from a prediction or from the context (spade-core's `lookup`), sent instead
+    /// of the draft model's whenever it has one; None: the draft model only.
+    pub proposer: Option<Proposer>,
 }
 
 /// Tokens per draft call once the draft model answers alone: it is not waiting on anyone.
@@ -128,6 +134,12 @@ pub struct LoopStats {
     pub choice: Option<DraftChoice>,
     /// The draft model answered alone for at least part of the generation.
     pub degraded: bool,
+    /// Tokens proposed from the request's prediction, and how many of them were accepted.
+    pub predicted: usize,
+    pub predicted_accepted: usize,
+    /// Tokens proposed by prompt lookup, and how many of them were accepted.
+    pub looked_up: usize,
+    pub looked_up_accepted: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -136,6 +148,14 @@ pub enum LoopError {
     Engine(#[from] EngineError),
     #[error(transparent)]
     Verifier(#[from] VerifyFailure),
+}
+
+/// What a round of a copied block came to: None where the verifier was unreachable and the loop
+/// goes on with the draft model alone, else the drafts accepted and whether the generation ended.
+struct ProposalRound {
+    latency: Duration,
+    verifier_time: Option<Duration>,
+    outcome: Option<(usize, Option<Finish>)>,
 }
 
 #[derive(Debug, Clone)]
@@ -173,6 +193,7 @@ pub async fn run(
     let mut ahead: Option<Block> = None;
     let mut ahead_processed_prompt = false;
     let mut first = true;
+    let mut proposer = params.proposer.clone().filter(Proposer::is_active);
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
         let drafter = match (drafter, drafting) {
@@ -184,6 +205,23 @@ pub async fn run(
             }
             (_, drafter) => drafter,
         };
+        // A block copied from the prediction or the context costs no drafting: send it instead.
+        if let Some(proposer) = proposer.as_mut() {
+            if let Some(proposal) = proposer.propose(&state.seq, prompt.len(), remaining - 1) {
+                ahead = None;
+                let first_call = std::mem::replace(&mut first, false);
+                let round = state.proposal_round(verifier, drafter, &proposal, first_call).await?;
+                let Some((accepted, finish)) = round.outcome else { continue };
+                proposer.observe(&proposal, accepted);
+                if let (false, Some(verifier_time)) = (first_call, round.verifier_time) {
+                    pacing.observe_link(round.latency, verifier_time);
+                }
+                match finish {
+                    Some(finish) => return Ok(state.end(finish, &pacing)),
+                    None => continue,
+                }
+            }
+        }
         // A block commits at most d + 1 tokens: never draft past the budget.
         let from_ahead = ahead.is_some();
         let kind = if from_ahead { BlockKind::Ahead } else { BlockKind::Serial };
@@ -379,6 +417,54 @@ impl Loop<'_> {
             self.stats.accepted_at[i] += usize::from(i < verified.accepted);
         }
         self.commit_all(&verified.committed, &verified.logprobs).await
+    }
+
+    /// One round of a copied block: verified like a drafted one, with q a point mass on each token
+    /// (the rule then accepts a token with the target's own probability of it: still lossless).
+    async fn proposal_round(
+        &mut self,
+        verifier: &mut dyn BlockVerifier,
+        drafter: Option<&dyn Drafter>,
+        proposal: &Proposal,
+        first_call: bool,
+    ) -> Result<ProposalRound, LoopError> {
+        let drafts: Vec<DraftToken> = proposal
+            .tokens
+            .iter()
+            .map(|&token| DraftToken { token, q: SparseDist::point(token) })
+            .collect();
+        let started = Instant::now();
+        let call = verifier.verify(&self.seq, &drafts);
+        let verified = match drafter {
+            // The first call still overlaps the draft model's prefill of the prompt.
+            Some(drafter) if first_call => {
+                let (verified, warmed) =
+                    tokio::join!(call, drafter.prefill(&self.seq, &self.params.draft));
+                if let Err(e) = warmed {
+                    tracing::debug!("draft prefill failed: {e}");
+                }
+                verified
+            }
+            _ => call.await,
+        };
+        let latency = started.elapsed();
+        let mut round = ProposalRound { latency, verifier_time: None, outcome: None };
+        let Some(verified) = self.check(verified, &drafts)? else {
+            return Ok(round);
+        };
+        round.verifier_time = verified.verifier_time;
+        self.stats.verify_time += latency;
+        self.stats.verifier_time += verified.verifier_time.unwrap_or_default().min(latency);
+        self.stats.target_calls += 1;
+        let (proposed, accepted) = match proposal.source {
+            Source::Prediction => (&mut self.stats.predicted, &mut self.stats.predicted_accepted),
+            Source::Lookup => (&mut self.stats.looked_up, &mut self.stats.looked_up_accepted),
+        };
+        *proposed += drafts.len();
+        *accepted += verified.accepted;
+        let finish = self.commit_all(&verified.committed, &verified.logprobs).await?;
+        round.outcome = Some((verified.accepted, finish));
+        Ok(round)
     }
 
     async fn draft_alone_round(

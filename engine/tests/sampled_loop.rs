@@ -127,6 +127,7 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
             stop_token_ids: Vec::new(),
             when_unreachable: WhenUnreachable::Fail,
             start_degraded: false,
+            proposer: None,
         };
         // One scorer session and the draft's prefix cache are reused across samples: both only ever
         // serve the prompt's KV rows, and each sample's randomness is keyed by its own seed.

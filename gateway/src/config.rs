@@ -54,6 +54,12 @@ pub struct Config {
     #[arg(long, env = "SPADE_GATEWAY_DRAFT_LEN", default_value = "auto")]
     pub draft_len: DraftLen,
 
+    /// Propose blocks copied from the prompt or the answer where the answer's last tokens occur
+    /// there before (prompt lookup): free to draft, verified like the draft model's, up to the
+    /// verifier's --max-draft tokens. Requests may turn it off (`spade.lookup`).
+    #[arg(long, env = "SPADE_GATEWAY_PROMPT_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
+    pub prompt_lookup: bool,
+
     /// Most draft tokens per verify call under `auto` and in a request's `spade.draft_len` (also
     /// capped by the verifier's --max-draft).
     #[arg(long, env = "SPADE_GATEWAY_MAX_DRAFT_LEN", default_value_t = 8)]

@@ -11,6 +11,7 @@ use std::time::Instant;
 use rand::Rng;
 use spade_core::fim::LineLimits;
 use spade_core::grammar::{Grammar, GrammarConstraint};
+use spade_core::lookup::Proposer;
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
 use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
@@ -57,6 +58,8 @@ pub struct Job {
     pub affinity: String,
     /// An editor's line rules (`/infill`'s `n_indent`, `t_max_predict_ms`); None: none.
     pub line_rules: Option<LineRules>,
+    /// Drafts copied from the request's `prediction` or the context; None: the draft model's only.
+    pub proposer: Option<Proposer>,
 }
 
 /// llama-server's line rules for an editor completion (spade-core's `fim::LineLimits`).
@@ -174,6 +177,7 @@ async fn generate(
             OfflineFallback::Off => WhenUnreachable::Fail,
         },
         start_degraded: !job.verify,
+        proposer: job.proposer.clone(),
     };
     let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
     let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
@@ -220,6 +224,11 @@ async fn generate(
             .flatten()
             .map(|n| n as u64),
         degraded: stats.degraded,
+        prediction_tokens: job.proposer.as_ref().map_or(0, |p| p.prediction_len() as u64),
+        predicted: stats.predicted as u64,
+        predicted_accepted: stats.predicted_accepted as u64,
+        looked_up: stats.looked_up as u64,
+        looked_up_accepted: stats.looked_up_accepted as u64,
         ttft: output.ttft,
         duration: Default::default(),
         draft_len: job.draft_len.label(),

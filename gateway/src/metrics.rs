@@ -30,6 +30,13 @@ pub struct GenerationRecord {
     /// Prompt tokens the draft model's prefix cache held (None when it did not draft).
     pub draft_cached_tokens: Option<u64>,
     pub degraded: bool,
+    /// Tokens in the request's prediction; of them proposed, and accepted.
+    pub prediction_tokens: u64,
+    pub predicted: u64,
+    pub predicted_accepted: u64,
+    /// Tokens proposed by prompt lookup, and accepted.
+    pub looked_up: u64,
+    pub looked_up_accepted: u64,
     pub ttft: Option<Duration>,
     pub duration: Duration,
     pub draft_len: DraftLen,
@@ -51,6 +58,9 @@ pub struct Metrics {
     bytes_received: AtomicU64,
     prompt_cached: AtomicU64,
     prompt_computed: AtomicU64,
+    /// Copied drafts by source, proposed and accepted: [prediction, lookup].
+    copied: [AtomicU64; 2],
+    copied_accepted: [AtomicU64; 2],
     ahead_drafted: AtomicU64,
     ahead_used: AtomicU64,
     /// Seconds where the generations' time went (SpadeTiming, summed).
@@ -74,6 +84,8 @@ impl Default for Metrics {
             bytes_received: AtomicU64::new(0),
             prompt_cached: AtomicU64::new(0),
             prompt_computed: AtomicU64::new(0),
+            copied: Default::default(),
+            copied_accepted: Default::default(),
             ahead_drafted: AtomicU64::new(0),
             ahead_used: AtomicU64::new(0),
             timing: Mutex::default(),
@@ -114,6 +126,10 @@ impl Metrics {
             add(&self.prompt_cached, cached);
             add(&self.prompt_computed, r.prompt_tokens.saturating_sub(cached));
         }
+        add(&self.copied[0], r.predicted);
+        add(&self.copied_accepted[0], r.predicted_accepted);
+        add(&self.copied[1], r.looked_up);
+        add(&self.copied_accepted[1], r.looked_up_accepted);
         add(&self.ahead_drafted, r.ahead_drafted);
         add(&self.ahead_used, r.ahead_used);
         {
@@ -182,6 +198,18 @@ impl Metrics {
             "Draft tokens the target accepted.",
             load(&self.accepted),
         );
+        for (source, i) in [("prediction", 0), ("lookup", 1)] {
+            counter(
+                &format!("spade_gateway_copied_{source}_tokens_total"),
+                "Draft tokens copied from the request's prediction (prediction) or the context (lookup).",
+                load(&self.copied[i]),
+            );
+            counter(
+                &format!("spade_gateway_copied_{source}_accepted_tokens_total"),
+                "Copied draft tokens the target accepted.",
+                load(&self.copied_accepted[i]),
+            );
+        }
         counter(
             "spade_gateway_bytes_sent_total",
             "Bytes of /verify requests.",

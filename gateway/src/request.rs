@@ -10,7 +10,8 @@ use rand::Rng;
 use serde_json::Value;
 use spade_core::grammar::{Grammar, GrammarConstraint};
 use spade_core::limits::MAX_TOP_LOGPROBS;
-use spade_core::openai::{DraftLen, GenerationFields, StopSequences};
+use spade_core::lookup::Proposer;
+use spade_core::openai::{DraftLen, GenerationFields, MessageContent, Prediction, StopSequences};
 use spade_core::protocol::{FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES};
 use spade_core::rng::choice_seed;
 use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
@@ -77,6 +78,10 @@ pub struct Decoding {
     pub top_logprobs: Option<u8>,
     /// `spade.draft_len`, where the request sets it.
     pub draft_len: Option<DraftLen>,
+    /// `spade.lookup`, where the request sets it.
+    pub lookup: Option<bool>,
+    /// The text of `prediction`, where the request has one.
+    pub prediction: Option<String>,
     /// Choices: independent generations of the same prompt.
     pub n: u32,
     /// The grammar the output must follow, compiled in [`job`].
@@ -162,10 +167,29 @@ pub fn decoding(
         stream: g.stream,
         include_usage: g.stream_options.is_some_and(|o| o.include_usage),
         top_logprobs,
-        draft_len: g.spade.and_then(|s| s.draft_len),
+        draft_len: g.spade.as_ref().and_then(|s| s.draft_len),
+        lookup: g.spade.as_ref().and_then(|s| s.lookup),
+        prediction: g.prediction.map(prediction_text).transpose()?,
         n,
         grammar: None,
     })
+}
+
+/// The text of OpenAI's `prediction` (`type: content`; a string or text parts).
+fn prediction_text(p: Prediction) -> Result<String, ApiError> {
+    if p.kind != "content" {
+        return Err(ApiError::invalid("prediction.type", "prediction.type must be \"content\""));
+    }
+    match p.content {
+        MessageContent::Text(text) => Ok(text),
+        MessageContent::Parts(parts) => parts
+            .into_iter()
+            .map(|part| match (part.kind.as_str(), part.text) {
+                ("text", Some(text)) => Ok(text),
+                _ => Err(ApiError::invalid("prediction.content", "prediction parts must be text")),
+            })
+            .collect(),
+    }
 }
 
 /// `n` alternatives per token, checked against the limit; `param` names the field.
@@ -225,7 +249,7 @@ pub async fn job(
     // Padding ids are no tokens (and may lie past the verifier's rows).
     d.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
     let max_draft_len = state.settings.max_draft_len;
-    let (max_context, max_draft, verify, binary) = match state.verifier_info().await {
+    let (max_context, max_draft, verify, binary, proposal_cap) = match state.verifier_info().await {
         Ok(info) => {
             if !d.penalties.is_noop() && !info.features.iter().any(|f| f == FEATURE_PENALTIES) {
                 let message =
@@ -245,13 +269,14 @@ pub async fn job(
                 max_draft_len.min(info.max_draft as usize),
                 true,
                 binary,
+                info.max_draft as usize,
             )
         }
         Err(ApiError::VerifierUnavailable(e))
             if state.settings.fallback == OfflineFallback::Draft =>
         {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
-            (model.meta().max_context as usize, max_draft_len, false, false)
+            (model.meta().max_context as usize, max_draft_len, false, false, 0)
         }
         Err(e) => return Err(e),
     };
@@ -302,6 +327,16 @@ pub async fn job(
     }
     let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() })
         .filter(|p| !p.is_noop());
+    // Copied drafts where the verifier checks them, unless the request sends no drafts at all.
+    let lookup = d.lookup.unwrap_or(state.settings.prompt_lookup);
+    let proposer = match &d.prediction {
+        _ if !verify || draft_len.max() == 0 => None,
+        Some(text) => {
+            Some(Proposer::new(model.encode_text(text, false).await?, lookup, proposal_cap))
+        }
+        None => Some(Proposer::new(Vec::new(), lookup, proposal_cap)),
+    }
+    .filter(Proposer::is_active);
     let grammar = match &d.grammar {
         Some(g) => Some(constraint(model, g, prompt.len()).await?),
         None => None,
@@ -321,6 +356,7 @@ pub async fn job(
         grammar,
         affinity: spade_core::affinity::prompt_key(&prompt),
         line_rules: None,
+        proposer,
         prompt,
     })
 }

@@ -88,8 +88,11 @@ impl Meta {
                     .min(self.prompt_tokens as u64) as u32,
             },
             completion_tokens_details: CompletionTokensDetails {
-                accepted_prediction_tokens: accepted as u32,
-                rejected_prediction_tokens: (drafted - accepted) as u32,
+                accepted_prediction_tokens: sum(|r| r.predicted_accepted) as u32,
+                // As OpenAI counts them: the prediction's tokens the answer did not keep.
+                rejected_prediction_tokens: sum(|r| {
+                    r.prediction_tokens.saturating_sub(r.predicted_accepted)
+                }) as u32,
             },
             spade: Some(SpadeUsage {
                 verify_calls: calls as u32,
@@ -111,6 +114,10 @@ impl Meta {
                 bytes_sent: sum(|r| r.bytes_sent),
                 bytes_received: sum(|r| r.bytes_received),
                 degraded: records.iter().any(|r| r.degraded),
+                drafted: drafted as u32,
+                draft_accepted: accepted as u32,
+                looked_up: sum(|r| r.looked_up) as u32,
+                looked_up_accepted: sum(|r| r.looked_up_accepted) as u32,
                 draft_cached_tokens: first.and_then(|r| r.draft_cached_tokens).map(|n| n as u32),
             }),
         }

@@ -23,6 +23,8 @@ pub struct Settings {
     /// Cap of `auto` and of a request's fixed length (with the verifier's `max_draft`).
     pub max_draft_len: usize,
     pub draft_ahead: bool,
+    /// `--prompt-lookup`: the default of `spade.lookup`.
+    pub prompt_lookup: bool,
     /// Where `auto` ends a block.
     pub draft_block_end: BlockEnd,
     pub draft_top_k: u32,
@@ -72,6 +74,7 @@ impl Gateway {
                 draft_len: config.draft_len,
                 max_draft_len: config.max_draft_len,
                 draft_ahead: config.draft_ahead,
+                prompt_lookup: config.prompt_lookup,
                 draft_block_end: config.draft_block_end.into(),
                 draft_top_k: config.draft_top_k,
                 max_completion_tokens: config.max_completion_tokens,

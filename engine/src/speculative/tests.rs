@@ -89,6 +89,7 @@ fn params(
         stop_token_ids: vec![4999],
         when_unreachable,
         start_degraded: false,
+        proposer: None,
     }
 }
 

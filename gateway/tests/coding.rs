@@ -1,7 +1,10 @@
-//! Fill-in-the-middle over real HTTP with the real binaries, Qwen2.5-Coder-0.5B drafting for itself
-//! (it has the FIM tokens; SmolLM2 has none): llama.vim's own request shapes get well-formed
-//! llama-server answers from `/infill`, and the middle is target-only's, the same through `/infill`,
-//! `/v1/completions` with `suffix`, streamed or not.
+//! What coding assistants send, over real HTTP with the real binaries, Qwen2.5-Coder-0.5B drafting
+//! for itself (it has the FIM tokens; SmolLM2 has none):
+//! - fill-in-the-middle: llama.vim's own request shapes get well-formed llama-server answers from
+//!   `/infill`, and the middle is target-only's, the same through `/infill`, `/v1/completions` with
+//!   `suffix`, streamed or not;
+//! - an edit with `prediction` (the file, sent back with a change) and with prompt lookup alone:
+//!   the answer is target-only's, and OpenAI's prediction counts say what the prediction did.
 
 mod real;
 
@@ -117,4 +120,72 @@ async fn infill_answers_llama_vims_requests_with_the_targets_middle() {
         ),
         true,
     );
+}
+
+const FILE: &str = "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n\ndef spread(values):\n    return max(values) - min(values)\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_with_a_prediction_or_lookup_is_target_onlys_answer() {
+    let model = model_path(DRAFT);
+    let model = model.to_str().unwrap();
+    let verifier = start_verifier_on(0, &["--model", model]).await;
+    let gateway = start_gateway(&verifier.url, &["--draft-model", model]).await;
+    let url = &gateway.url;
+    let ask = format!("Rename the function mean to average. Reply with the whole file, nothing else.\n\n```python\n{FILE}```");
+    let chat = |extra: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": ask}], "temperature": 0, "max_tokens": 96});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        body
+    };
+    let answer = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let target_only =
+        json_at(url, "/v1/chat/completions", &chat(json!({"spade": {"draft_len": 0}}))).await;
+    let expected = answer(&target_only);
+    assert_eq!(
+        target_only["usage"]["spade"]["verify_calls"],
+        target_only["usage"]["completion_tokens"]
+    );
+
+    let predicted = json_at(
+        url,
+        "/v1/chat/completions",
+        &chat(json!({"prediction": {"type": "content", "content": FILE}})),
+    )
+    .await;
+    assert_eq!(answer(&predicted), expected);
+    let usage = &predicted["usage"];
+    let details = &usage["completion_tokens_details"];
+    let kept = details["accepted_prediction_tokens"].as_u64().unwrap();
+    assert!(kept >= 20, "{usage}");
+    // Text parts, streamed: the same answer.
+    let parts = json!({"prediction": {"type": "content", "content": [{"type": "text", "text": FILE}]}, "stream": true});
+    let (status, body) = post_to(url, "/v1/chat/completions", &chat(parts)).await;
+    assert_eq!(status, 200);
+    assert_eq!(parse_sse(status, &body).text, expected);
+
+    let looked_up = json_at(url, "/v1/chat/completions", &chat(json!({}))).await;
+    assert_eq!(answer(&looked_up), expected);
+    let lookup_usage = &looked_up["usage"];
+    assert_eq!(lookup_usage["completion_tokens_details"]["accepted_prediction_tokens"], 0);
+    assert!(lookup_usage["spade"]["looked_up_accepted"].as_u64().unwrap() > 0, "{lookup_usage}");
+    let off =
+        json_at(url, "/v1/chat/completions", &chat(json!({"spade": {"lookup": false}}))).await;
+    assert_eq!(answer(&off), expected);
+    assert_eq!(off["usage"]["spade"]["looked_up"], 0);
+
+    let calls = |v: &Value| v["usage"]["spade"]["verify_calls"].as_u64().unwrap();
+    let observed = format!(
+        "{} tokens: verify calls target-only {}, prediction {} ({kept} prediction tokens kept, {} rejected), lookup {} ({} of {} looked-up tokens accepted), neither {}",
+        target_only["usage"]["completion_tokens"], calls(&target_only), calls(&predicted),
+        details["rejected_prediction_tokens"], calls(&looked_up), lookup_usage["spade"]["looked_up_accepted"],
+        lookup_usage["spade"]["looked_up"], calls(&off)
+    );
+    report(
+        "api",
+        "an edit with prediction / prompt lookup = target-only (Qwen2.5-Coder-0.5B)",
+        &observed,
+        true,
+    );
+    // The draft model drafts for itself here, so it is as good as any copy: speed is measured by
+    // spade-bench, with the real pair.
 }
