@@ -93,15 +93,16 @@ def fim_cuts(n):
         at = rng.randrange(len(lines) // 4, 3 * len(lines) // 4)
         column = rng.randrange(0, max(1, len(lines[at].rstrip("\n"))))
         cut = sum(len(l) for l in lines[:at]) + column
-        # At most ~6 KB on each side, as an editor plugin sends.
-        cuts.append((str(path.relative_to(ROOT)), text[max(0, cut - 6000):cut], text[cut:cut + 2000]))
+        # ~40 lines before and ~12 after, a window like an editor plugin's (one CPU core prefills it).
+        cuts.append((str(path.relative_to(ROOT)), text[max(0, cut - 1500):cut], text[cut:cut + 500]))
     return cuts
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtts", default="0,50")
-    parser.add_argument("--fim-cuts", type=int, default=8)
+    parser.add_argument("--edit-rtts", default=None, help="RTTs of the edit task (default: all of --rtts)")
+    parser.add_argument("--fim-cuts", type=int, default=6)
     parser.add_argument("--out", default=str(ROOT / f"bench/results/coding-{time.strftime('%Y%m%d-%H%M')}"))
     args = parser.parse_args()
     out = Path(args.out)
@@ -129,7 +130,8 @@ def main():
             for port in gateways.values():
                 wait_ready(port)
             edits = {}
-            for mode, port in gateways.items():
+            edit_rtts = args.edit_rtts if args.edit_rtts is not None else args.rtts
+            for mode, port in gateways.items() if str(rtt) in edit_rtts.split(",") else []:
                 answer, secs = post(port, "/v1/chat/completions", edit_request(mode == "prediction"))
                 usage = answer["usage"]
                 edits[mode] = {"text": answer["choices"][0]["message"]["content"], "seconds": secs,
@@ -137,8 +139,10 @@ def main():
                                "verify_calls": usage["spade"]["verify_calls"], "details": usage["completion_tokens_details"],
                                "looked_up": [usage["spade"]["looked_up_accepted"], usage["spade"]["looked_up"]],
                                "drafted": [usage["spade"]["draft_accepted"], usage["spade"]["drafted"]]}
-                print(f"rtt {rtt} edit {mode}: {edits[mode]['tokens']} tokens in {secs:.1f} s, {edits[mode]['verify_calls']} calls", flush=True)
-            results["edit"][rtt] = edits
+                same = edits[mode]["text"] == edits["target-only"]["text"]
+                print(f"rtt {rtt} edit {mode}: {edits[mode]['tokens']} tokens in {secs:.1f} s, {edits[mode]['verify_calls']} calls, identical {same}", flush=True)
+            if edits:
+                results["edit"][rtt] = edits
             fims = {mode: [] for mode in ("target-only", "default", "lookup")}
             for path, prefix, suffix in cuts:
                 for mode in fims:

@@ -89,21 +89,16 @@ struct WireDelta {
 #[serde(default)]
 struct WireUsage {
     completion_tokens: u64,
-    completion_tokens_details: WireDetails,
     spade: Option<WireSpade>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-struct WireDetails {
-    accepted_prediction_tokens: u64,
-    rejected_prediction_tokens: u64,
 }
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct WireSpade {
     verify_calls: u64,
+    /// The draft model's tokens proposed and accepted.
+    drafted: u64,
+    draft_accepted: u64,
     draft_len: Option<Value>,
     ahead_drafted: u64,
     ahead_used: u64,
@@ -220,8 +215,8 @@ pub async fn stream_chat(
         usage.ok_or_else(|| anyhow!("no usage chunk (stream_options.include_usage ignored?)"))?;
     let spade = usage.spade.ok_or_else(|| anyhow!("usage has no `spade` object"))?;
     out.completion_tokens = usage.completion_tokens;
-    out.accepted = usage.completion_tokens_details.accepted_prediction_tokens;
-    out.rejected = usage.completion_tokens_details.rejected_prediction_tokens;
+    out.accepted = spade.draft_accepted;
+    out.rejected = spade.drafted.saturating_sub(spade.draft_accepted);
     out.verify_calls = spade.verify_calls;
     out.bytes_sent = spade.bytes_sent;
     out.bytes_received = spade.bytes_received;
@@ -267,8 +262,8 @@ mod tests {
     #[test]
     fn chunks_fold_into_text_and_usage() {
         let usage = json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
-            "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1},
-            "spade": {"verify_calls": 1, "mean_tokens_per_call": 3.0, "draft_len": 2, "bytes_sent": 100, "bytes_received": 50, "degraded": false}});
+            "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
+            "spade": {"verify_calls": 1, "drafted": 3, "draft_accepted": 2, "mean_tokens_per_call": 3.0, "draft_len": 2, "bytes_sent": 100, "bytes_received": 50, "degraded": false}});
         let (mut out, mut u, mut first) = (Outcome::default(), None, false);
         assert!(!apply(&chunk(Some(""), None), &mut out, &mut u, &mut first).unwrap());
         assert!(!first, "an empty delta is not the first token");

@@ -52,13 +52,9 @@ async fn sampled_tokens_over_http_follow_the_targets_distribution() {
             json!({"temperature": 1.0, "top_k": 6, "seed": seed, "logprobs": true}),
         );
         let v = complete(&gateway.url, &body).await;
-        let details = &v["usage"]["completion_tokens_details"];
-        let (a, r) = (
-            details["accepted_prediction_tokens"].as_u64().unwrap(),
-            details["rejected_prediction_tokens"].as_u64().unwrap(),
-        );
-        accepted += a;
-        drafted += a + r;
+        let spade = &v["usage"]["spade"];
+        accepted += spade["draft_accepted"].as_u64().unwrap();
+        drafted += spade["drafted"].as_u64().unwrap();
         let tokens: Vec<&str> = v["choices"][0]["logprobs"]["content"]
             .as_array()
             .unwrap()
