@@ -272,19 +272,12 @@ pub async fn run(
         let call_started = Instant::now();
         let verified = {
             let call = verifier.verify(&state.seq, drafts);
-            match (next.as_mut(), drafter) {
-                (Some(next), _) => next.pull_while(call).await,
+            match next.as_mut() {
+                Some(next) => next.pull_while(call).await,
                 // Without draft-ahead, the first call still overlaps the draft's prefill.
-                (None, Some(drafter)) if first => {
-                    let (verified, warmed) =
-                        tokio::join!(call, drafter.prefill(&state.seq, &params.draft));
-                    // A failed prefill only costs speed; the next draft call reports a real failure.
-                    if let Err(e) = warmed {
-                        tracing::debug!("draft prefill failed: {e}");
-                    }
-                    verified
+                None => {
+                    with_prefill(call, drafter.filter(|_| first), &state.seq, &params.draft).await
                 }
-                _ => call.await,
             }
         };
         let latency = call_started.elapsed();
@@ -352,6 +345,25 @@ pub async fn run(
         }
     }
     Ok(state.end(Finish::Length, &pacing))
+}
+
+/// Awaits a verify call; with a `drafter`, while it prefills `context` (the first call, so that the
+/// two prefills of the prompt overlap instead of adding up).
+async fn with_prefill<F: std::future::Future>(
+    call: F,
+    drafter: Option<&dyn Drafter>,
+    context: &[u32],
+    params: &DraftParams,
+) -> F::Output {
+    let Some(drafter) = drafter else {
+        return call.await;
+    };
+    let (verified, warmed) = tokio::join!(call, drafter.prefill(context, params));
+    // A failed prefill only costs speed; the next draft call reports a real failure.
+    if let Err(e) = warmed {
+        tracing::debug!("draft prefill failed: {e}");
+    }
+    verified
 }
 
 /// A block ending in a stop token ends the generation if it is all accepted: nothing to draft after it.
@@ -435,18 +447,9 @@ impl Loop<'_> {
             .collect();
         let started = Instant::now();
         let call = verifier.verify(&self.seq, &drafts);
-        let verified = match drafter {
-            // The first call still overlaps the draft model's prefill of the prompt.
-            Some(drafter) if first_call => {
-                let (verified, warmed) =
-                    tokio::join!(call, drafter.prefill(&self.seq, &self.params.draft));
-                if let Err(e) = warmed {
-                    tracing::debug!("draft prefill failed: {e}");
-                }
-                verified
-            }
-            _ => call.await,
-        };
+        // The first call still overlaps the draft model's prefill of the prompt.
+        let prefilling = drafter.filter(|_| first_call);
+        let verified = with_prefill(call, prefilling, &self.seq, &self.params.draft).await;
         let latency = started.elapsed();
         let mut round = ProposalRound { latency, verifier_time: None, outcome: None };
         let Some(verified) = self.check(verified, &drafts)? else {
