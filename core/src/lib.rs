@@ -44,6 +44,7 @@ pub mod protocol;
 pub mod retry;
 pub mod rng;
 pub mod sampling;
+pub mod serving_engine;
 pub mod text;
 pub mod tools;
 pub mod verify;
@@ -56,4 +57,7 @@ pub use metrics::Histogram;
 pub use penalties::{History, Penalties};
 pub use sampling::{confidence, distribution, SamplingError, SamplingParams};
 pub use text::{IncrementalDecoder, StopMatcher, StopStep};
-pub use verify::{verify_block, verify_greedy, BlockOutcome, DraftToken, NextKind, VerifyError};
+pub use verify::{
+    position_seed, target_samples, verify_block, verify_match, AcceptRule, BlockOutcome,
+    DraftToken, NextKind, VerifyError,
+};

@@ -11,7 +11,7 @@ use crate::dist::{DistError, SparseDist};
 use crate::grammar::GrammarConstraint;
 use crate::penalties::Penalties;
 use crate::sampling::SamplingParams;
-use crate::verify::{DraftToken, NextKind};
+use crate::verify::{AcceptRule, DraftToken, NextKind};
 
 /// One drafted token and the exact distribution it was drawn from, `[[token, prob], ...]` on q's support.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, ToSchema)]
@@ -119,7 +119,7 @@ pub struct ModelInfo {
     /// Most `top_logprobs` one call may ask for.
     pub max_top_logprobs: u8,
     /// Optional parts of the protocol this verifier implements ([`FEATURE_PENALTIES`],
-    /// [`FEATURE_GRAMMAR`], [`FEATURE_BINARY`]); a gateway
+    /// [`FEATURE_GRAMMAR`], [`FEATURE_LOGPROBS`], [`FEATURE_PREFIX_CACHE`], [`FEATURE_BINARY`]); a gateway
     /// refuses requests that need one its verifier lacks.
     #[serde(default)]
     pub features: Vec<String>,
@@ -129,6 +129,15 @@ pub struct ModelInfo {
     /// Empty from a verifier that does not time its passes.
     #[serde(default)]
     pub pass_ms: Vec<f64>,
+    /// How drafts are judged. Under `match` a gateway drafts the draft model's most likely token at
+    /// every temperature (the chance sum(p*q) that the target samples a draft is largest for a point
+    /// mass) and sends no q.
+    #[serde(default)]
+    pub rule: AcceptRule,
+    /// What scores the drafts: `model` (the verifier's own model) or the serving engine's kind
+    /// (`llama-server`, `vllm`, `sglang`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine: Option<String>,
 }
 
 /// Most rows by which a draft's and a target's logits may differ: padding rows past their shared
@@ -174,6 +183,9 @@ pub const FEATURE_PREFIX_CACHE: &str = "prefix_cache";
 /// conversation's turns, for a load balancer to hash on so that its turns reach the verifier replica
 /// that holds its prefix.
 pub const AFFINITY_HEADER: &str = "x-spade-affinity";
+
+/// `VerifyRequest::top_logprobs` is honoured.
+pub const FEATURE_LOGPROBS: &str = "logprobs";
 
 /// `/verify` takes and gives the binary form of [`crate::wire`].
 pub const FEATURE_BINARY: &str = "binary";

@@ -19,6 +19,47 @@ pub struct DraftToken {
     pub q: SparseDist,
 }
 
+/// How a verifier decides which drafts to accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AcceptRule {
+    /// Accept x_i with probability min(1, p_i(x_i)/q_i(x_i)) ([`verify_block`]): needs the target's
+    /// distributions and the draft's q.
+    #[default]
+    Ratio,
+    /// Accept x_i while it equals the target's own sample after the same prefix ([`verify_match`]):
+    /// needs only the target's tokens, so any serving engine can verify; a draft is then accepted
+    /// with probability sum(p*q) instead of sum(min(p, q)).
+    Match,
+}
+
+impl AcceptRule {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Ratio => "ratio",
+            Self::Match => "match",
+        }
+    }
+}
+
+impl std::fmt::Display for AcceptRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for AcceptRule {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ratio" => Ok(Self::Ratio),
+            "match" => Ok(Self::Match),
+            _ => Err(format!("unknown rule {s:?}: ratio or match")),
+        }
+    }
+}
+
 /// Why the token after the accepted drafts was emitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -107,16 +148,36 @@ fn sample_residual(p: &SparseDist, q: &SparseDist, u: f64) -> u32 {
     residual[residual.len() - 1].0
 }
 
-/// Greedy verification: accept while the draft equals the target's argmax; the next token is the
-/// target's argmax at the first mismatch (or after the block). `target_argmax` has d+1 entries.
-pub fn verify_greedy(target_argmax: &[u32], drafts: &[u32]) -> Result<BlockOutcome, VerifyError> {
-    if target_argmax.len() != drafts.len() + 1 {
+/// The target's own token at each of a block's d+1 positions under the match rule: a draw from
+/// p_i with randomness keyed by (seed, absolute position) alone, the draw target-only sampling makes
+/// at that position (the ratio rule's bonus draw too). Independent across positions, and independent
+/// of what was drafted, so a seeded answer does not depend on the draft.
+pub fn target_samples(p: &[SparseDist], seed: u64, first_position: u64) -> Vec<u32> {
+    p.iter()
+        .enumerate()
+        .map(|(i, p)| p.sample(rng_for(Stream::Verify, seed, first_position + i as u64).random()))
+        .collect()
+}
+
+/// A seed for an engine's sampler at one absolute position (31 bits: every engine's seed field takes
+/// it), keyed like [`target_samples`], so that an engine's draw at a position is independent of
+/// every other position's.
+pub fn position_seed(seed: u64, position: u64) -> u32 {
+    (rng_for(Stream::Verify, seed, position).random::<u64>() >> 33) as u32
+}
+
+/// The match rule: the target's own tokens y_0..y_d after the context and each drafted prefix
+/// (its argmax under greedy decoding, its samples otherwise). Commit y_0, and y_i while
+/// y_{i-1} = x_i: each committed token is then the target's own choice given exactly the committed
+/// prefix. `target_tokens` has d+1 entries.
+pub fn verify_match(target_tokens: &[u32], drafts: &[u32]) -> Result<BlockOutcome, VerifyError> {
+    if target_tokens.len() != drafts.len() + 1 {
         return Err(VerifyError::LengthMismatch {
             expected: drafts.len() + 1,
-            got: target_argmax.len(),
+            got: target_tokens.len(),
         });
     }
-    let accepted = drafts.iter().zip(target_argmax).take_while(|(d, t)| d == t).count();
+    let accepted = drafts.iter().zip(target_tokens).take_while(|(d, t)| d == t).count();
     let next_kind = if accepted == drafts.len() { NextKind::Bonus } else { NextKind::Correction };
-    Ok(BlockOutcome { accepted, next_token: target_argmax[accepted], next_kind })
+    Ok(BlockOutcome { accepted, next_token: target_tokens[accepted], next_kind })
 }

@@ -5,7 +5,7 @@
 use proptest::prelude::*;
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
-use spade_core::{verify_block, verify_greedy, DraftToken, NextKind, SparseDist};
+use spade_core::{target_samples, verify_block, verify_match, DraftToken, NextKind, SparseDist};
 
 const TRIALS: u64 = 120_000;
 
@@ -197,9 +197,106 @@ fn malformed_blocks_are_typed_errors() {
         Err(VerifyError::OutsideSupport { index: 0, token: 1 })
     );
     assert_eq!(
-        verify_greedy(&[1, 2], &[]),
+        verify_match(&[1, 2], &[]),
         Err(VerifyError::LengthMismatch { expected: 1, got: 2 })
     );
+}
+
+/// A target whose next-token law depends on the previous token (a Markov chain over 6 tokens), so
+/// that a rule mixing up prefixes would show; the draft proposes its own argmax, as under `match`.
+struct Chain {
+    p: Vec<SparseDist>,
+    q: Vec<SparseDist>,
+}
+
+impl Chain {
+    fn new() -> Self {
+        let all = cases();
+        Self {
+            p: (0..6).map(|k| dist(&all[k % all.len()].1)).collect(),
+            q: (0..6).map(|k| dist(&all[(k + 2) % all.len()].2)).collect(),
+        }
+    }
+
+    /// `len` tokens after token 0 by the match rule, in rounds of `draft_len(round)` drafts; `one_seed`
+    /// keys every position of a block by the block's first position (the mistake to catch).
+    fn generate(
+        &self,
+        seed: u64,
+        len: usize,
+        draft_len: impl Fn(usize) -> usize,
+        one_seed: bool,
+    ) -> Vec<u32> {
+        let mut out = vec![0u32];
+        let mut round = 0;
+        while out.len() <= len {
+            let mut drafts = Vec::new();
+            for _ in 0..draft_len(round) {
+                let prev = *drafts.last().unwrap_or(out.last().unwrap()) as usize;
+                drafts.push(self.q[prev].argmax());
+            }
+            let history: Vec<u32> = out.iter().chain(&drafts).copied().collect();
+            let p: Vec<SparseDist> =
+                history[out.len() - 1..].iter().map(|&t| self.p[t as usize].clone()).collect();
+            let position = out.len() as u64;
+            let targets = if one_seed {
+                p.iter()
+                    .map(|p| target_samples(std::slice::from_ref(p), seed, position)[0])
+                    .collect()
+            } else {
+                target_samples(&p, seed, position)
+            };
+            out.extend(verify_match(&targets, &drafts).unwrap().committed(&drafts));
+            round += 1;
+        }
+        out[1..=len].to_vec()
+    }
+
+    fn joint_counts(&self, draft_len: impl Fn(usize) -> usize + Copy, one_seed: bool) -> Vec<u64> {
+        let mut counts = vec![0u64; 216];
+        for seed in 0..TRIALS {
+            let out = self.generate(seed, 3, draft_len, one_seed);
+            counts[(out[0] * 36 + out[1] * 6 + out[2]) as usize] += 1;
+        }
+        counts
+    }
+
+    fn joint(&self) -> Vec<f64> {
+        let p = |prev: usize, t: usize| self.p[prev].prob(t as u32);
+        (0..216).map(|i| p(0, i / 36) * p(i / 36, (i / 6) % 6) * p((i / 6) % 6, i % 6)).collect()
+    }
+}
+
+/// The match rule over a history-dependent target: the first three committed tokens follow the
+/// target's own chain, whatever was drafted.
+#[test]
+fn the_match_rule_has_the_target_joint_law() {
+    let chain = Chain::new();
+    let counts = chain.joint_counts(|_| 3, false);
+    assert_distributed_as(&counts, &chain.joint(), TRIALS, "match rule, joint of three tokens");
+}
+
+/// One seed for a whole block (every position drawing the same uniform) correlates consecutive
+/// tokens: the same test catches it, so the per-position keys are what makes the rule exact.
+#[test]
+fn one_seed_per_block_is_caught() {
+    let chain = Chain::new();
+    let counts = chain.joint_counts(|_| 3, true);
+    let (stat, df) = chi_square(&counts, &chain.joint(), TRIALS);
+    assert!(stat > 10.0 * critical(df), "a shared seed went unnoticed: chi-square {stat:.1}");
+}
+
+/// With randomness keyed by (seed, absolute position), a seeded answer does not depend on the
+/// drafts: the same with no drafts, 2, 4 or a varying number per round.
+#[test]
+fn a_seeded_match_answer_does_not_depend_on_the_drafts() {
+    let chain = Chain::new();
+    for seed in 0..500 {
+        let alone = chain.generate(seed, 12, |_| 0, false);
+        assert_eq!(chain.generate(seed, 12, |_| 2, false), alone);
+        assert_eq!(chain.generate(seed, 12, |_| 4, false), alone);
+        assert_eq!(chain.generate(seed, 12, |r| (r * 7 + seed as usize) % 5, false), alone);
+    }
 }
 
 proptest! {
@@ -212,7 +309,7 @@ proptest! {
     ) {
         let d = argmax.len() - 1;
         let drafts = &drafts_seed[..d];
-        let greedy = verify_greedy(&argmax, drafts).unwrap();
+        let greedy = verify_match(&argmax, drafts).unwrap();
         let p: Vec<SparseDist> = argmax.iter().map(|&t| SparseDist::point(t)).collect();
         let blocks: Vec<DraftToken> = drafts.iter().map(|&t| DraftToken { token: t, q: SparseDist::point(t) }).collect();
         prop_assert_eq!(verify_block(&p, &blocks, seed, 0).unwrap(), greedy);

@@ -261,6 +261,13 @@ pub fn read_meta(path: &Path) -> Result<ModelMeta, EngineError> {
     GgufFile::open(path)?.meta()
 }
 
+/// The model's facts and its token list as the GGUF spells it (`tokenizer.ggml.tokens`), without
+/// reading the weights.
+pub fn read_tokens(path: &Path) -> Result<(ModelMeta, Vec<String>), EngineError> {
+    let gguf = GgufFile::open(path)?;
+    Ok((gguf.meta()?, gguf.tokens()?.0))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

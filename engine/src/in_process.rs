@@ -5,7 +5,7 @@
 use spade_core::grammar::{Grammar, GrammarState};
 use spade_core::lookup::Proposer;
 use spade_core::protocol::TokenLogprob;
-use spade_core::{DraftToken, Penalties, SamplingParams};
+use spade_core::{AcceptRule, DraftToken, Penalties, SamplingParams};
 
 use crate::round::{Round, TargetRule};
 use crate::speculative::{
@@ -125,7 +125,11 @@ pub async fn generate_proposing(
         start_degraded: false,
         proposer,
     };
-    let rule = TargetRule { sampling: params.sampling, penalties: params.penalties.clone() };
+    let rule = TargetRule {
+        sampling: params.sampling,
+        penalties: params.penalties.clone(),
+        accept: AcceptRule::Ratio,
+    };
     let grammar = params.grammar.as_ref().map(|g| g.start_at(prompt.len()));
     let mut verifier =
         LocalVerifier { session: target, rule, grammar, seed: params.seed, top_logprobs: None };

@@ -25,7 +25,7 @@ pub use draft_stream::{DraftMessage, DraftStream, Drawn, KeepDrafting};
 #[cfg(feature = "drafter")]
 pub use drafter::MistralDrafter;
 pub use error::EngineError;
-pub use gguf::{check_same_vocabulary, read_meta, ModelMeta, ModelSource};
+pub use gguf::{check_same_vocabulary, read_meta, read_tokens, ModelMeta, ModelSource};
 pub use scorer::CandleScorer;
 pub use spade_core::openai::{Role, Turn};
 pub use spade_core::tools::ToolSpec;

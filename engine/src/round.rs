@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use spade_core::grammar::GrammarState;
 use spade_core::protocol::TokenLogprob;
 use spade_core::{
-    distribution, verify_block, verify_greedy, BlockOutcome, DraftToken, Penalties, SamplingParams,
-    SparseDist,
+    distribution, target_samples, verify_block, verify_match, AcceptRule, BlockOutcome, DraftToken,
+    Penalties, SamplingParams, SparseDist,
 };
 
 use crate::{EngineError, ScoreSession};
@@ -29,6 +29,8 @@ pub struct TargetRule {
     pub sampling: SamplingParams,
     /// None when they would change nothing.
     pub penalties: Option<Penalties>,
+    /// How drafts are judged against those distributions.
+    pub accept: AcceptRule,
 }
 
 impl TargetRule {
@@ -131,11 +133,12 @@ impl Round<'_> {
             }
             None => rule.distributions(&logits, context, &draft_tokens)?,
         };
-        let outcome = if rule.sampling.is_greedy() {
-            let argmax: Vec<u32> = p.iter().map(SparseDist::argmax).collect();
-            verify_greedy(&argmax, &draft_tokens)?
+        let position = context.len() as u64;
+        // Under greedy decoding every p is a point mass: its sample is the argmax, whatever the rule.
+        let outcome = if rule.accept == AcceptRule::Ratio && !rule.sampling.is_greedy() {
+            verify_block(&p, drafts, seed, position)?
         } else {
-            verify_block(&p, drafts, seed, context.len() as u64)?
+            verify_match(&target_samples(&p, seed, position), &draft_tokens)?
         };
         let committed = outcome.committed(&draft_tokens);
         let logprobs = match top_logprobs {

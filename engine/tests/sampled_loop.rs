@@ -14,7 +14,7 @@ mod common;
 use common::*;
 use spade_core::grammar::GrammarConstraint;
 use spade_core::openai::Role;
-use spade_core::{distribution, Penalties, SamplingParams, SparseDist};
+use spade_core::{distribution, AcceptRule, Penalties, SamplingParams, SparseDist};
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{
@@ -28,7 +28,13 @@ const SAMPLES: u64 = 700;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_tokens_follow_the_targets_distribution() {
-    second_token_follows_p(None, None).await;
+    second_token_follows_p(None, None, AcceptRule::Ratio).await;
+}
+
+/// The match rule, its draft proposing its most likely token as the gateway's does under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafted_tokens_follow_the_targets_distribution_under_the_match_rule() {
+    second_token_follows_p(None, None, AcceptRule::Match).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -39,26 +45,34 @@ async fn drafted_tokens_follow_the_penalised_targets_distribution() {
         repetition_penalty: 1.3,
         ..Penalties::default()
     };
-    second_token_follows_p(Some(penalties), None).await;
+    second_token_follows_p(Some(penalties), None, AcceptRule::Ratio).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drafted_tokens_follow_the_grammar_masked_targets_distribution() {
     // Lower-case words only: the model's capitalised answers are masked away, many tokens remain.
     let grammar = GrammarConstraint::lark("start: WORD (\" \" WORD)*\nWORD: /[a-z]+/\n".into(), 0);
-    second_token_follows_p(None, Some(grammar.grammar)).await;
+    second_token_follows_p(None, Some(grammar.grammar), AcceptRule::Ratio).await;
 }
 
 /// `penalties` (without `prompt_len` or bias: both are set here) apply to the target and the draft;
-/// `grammar` (a grammar document) masks both from the first output token on.
-async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<serde_json::Value>) {
+/// `grammar` (a grammar document) masks both from the first output token on; `accept`: the rule.
+async fn second_token_follows_p(
+    penalties: Option<Penalties>,
+    grammar: Option<serde_json::Value>,
+    accept: AcceptRule,
+) {
     let target = scorer(TINY);
     let grammar = grammar.map(|g| target.vocabulary().unwrap().compile(&g).unwrap());
     let draft = drafter(TINY, DrafterOptions::default()).await;
     let prompt = draft.encode_chat(&[(Role::User, "Name a colour.".to_string())]).await.unwrap();
     let sampling = SamplingParams { temperature: 1.0, top_k: 6, ..SamplingParams::default() };
-    let draft_sampling =
-        SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() };
+    let draft_sampling = match accept {
+        AcceptRule::Ratio => {
+            SamplingParams { temperature: 1.8, top_k: 12, ..SamplingParams::default() }
+        }
+        AcceptRule::Match => SamplingParams::greedy(),
+    };
 
     let mut session = target.new_session();
     let first_logits = session.score(&prompt, 1).unwrap().remove(0);
@@ -131,7 +145,7 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
         };
         // One scorer session and the draft's prefix cache are reused across samples: both only ever
         // serve the prompt's KV rows, and each sample's randomness is keyed by its own seed.
-        let rule = TargetRule { sampling, penalties: penalties.clone() };
+        let rule = TargetRule { sampling, penalties: penalties.clone(), accept };
         let grammar = grammar.as_ref().map(|g| g.start_at(prompt.len()));
         let mut verifier =
             LocalVerifier { session: session.as_mut(), rule, grammar, seed, top_logprobs: None };
@@ -168,7 +182,7 @@ async fn second_token_follows_p(penalties: Option<Penalties>, grammar: Option<se
     }
     let df = p2.entries().len() - 1;
     println!(
-        "penalties {penalties:?}, grammar {}: {kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})",
+        "{accept} rule, penalties {penalties:?}, grammar {}: {kept} of {SAMPLES} samples kept; {accepted} of {drafted} drafts accepted; chi-square {stat:.1} (df {df}, bound {:.1})",
         grammar.is_some(),
         critical(df)
     );

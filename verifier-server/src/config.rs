@@ -3,6 +3,8 @@
 use clap::Parser;
 use spade_core::batching::PassLimits;
 use spade_core::limits::DEFAULT_MAX_DRAFT;
+use spade_core::serving_engine::EngineKind;
+use spade_core::AcceptRule;
 use spade_http::{Command, ServerArgs};
 
 #[derive(Debug, Clone, Parser)]
@@ -13,9 +15,49 @@ use spade_http::{Command, ServerArgs};
 )]
 pub struct Config {
     /// Target model: a local GGUF file (llama or qwen2 architecture), or `owner/repo:file.gguf` on the
-    /// Hugging Face hub where a network exists.
+    /// Hugging Face hub where a network exists. With --engine: a GGUF of the model the engine serves,
+    /// read for its vocabulary and metadata only (its weights are not loaded).
     #[arg(long, env = "SPADE_VERIFIER_MODEL")]
     pub model: Option<String>,
+
+    /// How drafts are judged: `ratio` accepts with probability min(1, p/q) (the target's
+    /// distributions and the draft's q); `match` accepts a draft while it equals the target's own
+    /// sample after the same prefix (exact as well; a seeded answer then does not depend on the
+    /// drafts, and a draft is accepted with probability sum(p*q) instead of sum(min(p, q))).
+    /// Default: `ratio`, and `match` with --engine (the only rule an engine can apply).
+    #[arg(long, env = "SPADE_VERIFIER_RULE")]
+    pub rule: Option<AcceptRule>,
+
+    /// Verify on a serving engine at this URL (llama-server, vLLM, SGLang) instead of loading
+    /// --model: each block asks the engine for one sampled token per position (the match rule).
+    /// The engine's prefix cache holds the KV; grammars, penalties and log-probabilities are not
+    /// offered (see docs/design.md).
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE")]
+    pub engine: Option<String>,
+
+    /// The engine's API: `llama-server`, `vllm` (its OpenAI server) or `sglang` (its native
+    /// `/generate`).
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE_KIND", default_value = "llama-server")]
+    pub engine_kind: EngineKind,
+
+    /// Bearer token for the engine.
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE_API_KEY", hide_env_values = true)]
+    pub engine_api_key: Option<String>,
+
+    /// The model name the engine serves (vLLM's `model` field).
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE_MODEL")]
+    pub engine_model: Option<String>,
+
+    /// How a block's positions are asked of the engine: `parallel` (all at once: one engine step
+    /// per block, each engine sequence computing the tokens it lacks; right for GPUs) or
+    /// `sequential` (one after another up to the first difference: the engine computes only the
+    /// committed tokens; right for a compute-bound CPU engine).
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE_CALLS", default_value = "parallel")]
+    pub engine_calls: crate::engine::EngineCalls,
+
+    /// Seconds one engine call may take.
+    #[arg(long, env = "SPADE_VERIFIER_ENGINE_TIMEOUT_SECS", default_value_t = 60)]
+    pub engine_timeout_secs: u64,
 
     /// Memory for KV caches, in MiB: live sessions' and the prefix cache's. Beyond it the prefix
     /// cache's least recently used entries are evicted first, then idle sessions, least recently used
@@ -98,12 +140,24 @@ impl Config {
         if !(self.max_backlog_secs >= 0.0 && self.max_backlog_secs.is_finite()) {
             return Err("--max-backlog-secs must be a number of seconds, 0 or more".into());
         }
+        if self.engine.is_some() && self.rule == Some(AcceptRule::Ratio) {
+            return Err("--rule ratio needs the target's distributions: with --engine only --rule match works".into());
+        }
         if self.max_draft == 0 {
             return Err("--max-draft must be at least 1".into());
         }
         self.pass_limits()
             .check(self.max_draft + 1)
             .map_err(|e| format!("--max-batch-sessions, --max-batch-rows, --prefill-chunk: {e}"))
+    }
+
+    /// The rule drafts are judged by.
+    pub fn accept_rule(&self) -> AcceptRule {
+        match (self.rule, &self.engine) {
+            (Some(rule), _) => rule,
+            (None, Some(_)) => AcceptRule::Match,
+            (None, None) => AcceptRule::Ratio,
+        }
     }
 
     /// Block sizes timed at start-up: `1..=` this.

@@ -21,6 +21,9 @@ pub enum ApiError {
     NotReady,
     #[error("internal error: {0}")]
     Internal(String),
+    /// The serving engine (`--engine`) failed or could not be reached.
+    #[error("the serving engine failed: {0}")]
+    Engine(String),
 }
 
 impl ApiError {
@@ -53,6 +56,9 @@ impl From<&ApiError> for ErrorResponse {
                 .with_code("not_ready"),
             ApiError::Internal(_) => {
                 ErrorResponse::server(StatusCode::INTERNAL_SERVER_ERROR, message)
+            }
+            ApiError::Engine(_) => {
+                ErrorResponse::server(StatusCode::BAD_GATEWAY, message).with_code("engine_failed")
             }
         }
     }

@@ -7,6 +7,7 @@ mod admin;
 mod admission;
 mod batcher;
 pub mod config;
+pub mod engine;
 mod error;
 mod metrics;
 pub mod openapi;

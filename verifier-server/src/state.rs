@@ -4,12 +4,14 @@ use std::sync::Arc;
 
 use spade_core::batching::{PassLimits, PassTimes};
 use spade_core::limits::{MAX_SESSION_ID_LEN, MAX_TOP_LOGPROBS};
+use spade_core::AcceptRule;
 use spade_engine::Scorer;
 use spade_http::{HttpSettings, ModelSlot};
 
 use crate::admission::Admission;
 use crate::batcher::Batcher;
 use crate::config::Config;
+use crate::engine::EngineBackend;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::sessions::SessionStore;
@@ -31,6 +33,9 @@ pub struct Target {
 pub struct Verifier {
     /// Set once the model has loaded; until then /health is 503 and /verify answers not_ready.
     pub target_model: ModelSlot<Target>,
+    /// With --engine: the serving engine that samples instead (set once its vocabulary is checked).
+    pub engine: ModelSlot<EngineBackend>,
+    pub accept: AcceptRule,
     pub model_id: String,
     pub sessions: SessionStore,
     pub admission: Admission,
@@ -47,6 +52,8 @@ impl Verifier {
     pub fn new(config: &Config) -> Self {
         Self {
             target_model: ModelSlot::default(),
+            engine: ModelSlot::default(),
+            accept: config.accept_rule(),
             model_id: config.model.clone().unwrap_or_default(),
             sessions: SessionStore::new(config.cache_budget_mb * 1024 * 1024, config.prefix_cache),
             admission: Admission::new(config.max_batch_sessions + config.queue_size),
@@ -77,6 +84,15 @@ impl Verifier {
         )?;
         self.target_model.set(Arc::new(Target { scorer, batcher }));
         Ok(())
+    }
+
+    /// The served model's facts, from whichever backend scores.
+    pub fn meta(&self) -> Result<spade_engine::ModelMeta, ApiError> {
+        match (self.target_model.get(), self.engine.get()) {
+            (Some(target), _) => Ok(target.scorer.meta().clone()),
+            (None, Some(engine)) => Ok(engine.meta.clone()),
+            (None, None) => Err(ApiError::NotReady),
+        }
     }
 
     pub fn target(&self) -> Result<&Arc<Target>, ApiError> {

@@ -7,12 +7,13 @@ use axum::response::{IntoResponse, Response};
 use spade_core::grammar::GrammarConstraint;
 use spade_core::protocol::{VerifyRequest, VerifyResponse, VerifyTiming};
 use spade_core::wire::{decode_request, encode_response, BINARY_CONTENT_TYPE};
-use spade_core::{DraftToken, ErrorBody};
+use spade_core::{AcceptRule, DraftToken, ErrorBody};
 use spade_engine::round::{Round, ScoredBlock, TargetRule};
 use spade_engine::{EngineError, ModelMeta};
 use spade_http::{Json, RequestError};
 
 use crate::batcher::Scored;
+use crate::engine::EngineBackend;
 use crate::error::ApiError;
 use crate::state::{AppState, Limits};
 
@@ -134,6 +135,7 @@ fn validate(
         rule: TargetRule {
             sampling: req.sampling,
             penalties: req.penalties.filter(|p| !p.is_noop()),
+            accept: AcceptRule::Ratio,
         },
         grammar: req.grammar,
         seed: req.seed,
@@ -245,9 +247,13 @@ pub async fn verify(
 }
 
 async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, ApiError> {
+    if let Some(engine) = state.engine.get() {
+        return on_engine(state, engine, req).await;
+    }
     let target = state.target()?.clone();
     let meta = target.scorer.meta().clone();
-    let valid = validate(req, &meta, &state.limits)?;
+    let mut valid = validate(req, &meta, &state.limits)?;
+    valid.rule.accept = state.accept;
     let _admitted = state.admission.admit()?;
 
     // A delta needs an existing session; only a full context may create one, from the longest
@@ -379,6 +385,70 @@ async fn handle(state: &AppState, req: VerifyRequest) -> Result<VerifyResponse, 
     })
 }
 
+/// A round on the serving engine (`--engine`): the match rule over its samples. What an engine
+/// cannot apply to drafts it sees as prompt (grammars, penalties) or does not return (the target's
+/// log-probabilities) is refused by name.
+async fn on_engine(
+    state: &AppState,
+    engine: &EngineBackend,
+    req: VerifyRequest,
+) -> Result<VerifyResponse, ApiError> {
+    let unsupported = |param: &str, what: &str| {
+        ApiError::invalid(param, format!("{what} are not available from a verifier on a serving engine (--engine): the engine applies them only to what it generates"))
+    };
+    if req.grammar.is_some() {
+        return Err(unsupported("grammar", "grammars"));
+    }
+    if req.penalties.as_ref().is_some_and(|p| !p.is_noop()) {
+        return Err(unsupported("penalties", "penalties and logit biases"));
+    }
+    if req.top_logprobs.is_some() {
+        return Err(unsupported("top_logprobs", "log-probabilities"));
+    }
+    let valid = validate(req, &engine.meta, &state.limits)?;
+    let _admitted = state.admission.admit()?;
+    let mut context = match &valid.session_id {
+        Some(id) if valid.context_start > 0 => {
+            let mut held = engine.session(id).ok_or_else(|| ApiError::ResendContext(id.clone()))?;
+            if valid.context_start > held.len() {
+                return Err(ApiError::ResendContext(id.clone()));
+            }
+            held.truncate(valid.context_start);
+            held
+        }
+        _ => Vec::new(),
+    };
+    context.extend_from_slice(&valid.context);
+    let drafts: Vec<u32> = valid.drafts.iter().map(|d| d.token).collect();
+    let started = std::time::Instant::now();
+    let outcome = engine.judge(&context, &drafts, &valid.rule.sampling, valid.seed).await?;
+    let forward = started.elapsed();
+    let committed = outcome.committed(&drafts);
+    let eos = committed.iter().any(|t| engine.meta.stop_token_ids.contains(t));
+    context.extend_from_slice(&committed);
+    let session_len = context.len() as u32;
+    if let Some(id) = &valid.session_id {
+        engine.keep_session(id, context);
+    }
+    state.metrics.record_verify(
+        drafts.len(),
+        outcome.accepted,
+        committed.len(),
+        forward,
+        Default::default(),
+    );
+    Ok(VerifyResponse {
+        accepted: outcome.accepted as u32,
+        next_token: outcome.next_token,
+        next_kind: outcome.next_kind,
+        eos,
+        session_len,
+        cached_tokens: 0,
+        logprobs: None,
+        timing: VerifyTiming { queue_ms: 0.0, forward_ms: forward.as_secs_f64() * 1e3 },
+    })
+}
+
 /// Runs CPU work (grammar compilation, the rule over 150k-entry rows) off the async threads.
 async fn blocking<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, EngineError> + Send + 'static,
@@ -407,6 +477,13 @@ pub async fn end_session(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
+    if let Some(engine) = state.engine.get() {
+        return if engine.end_session(&id) {
+            Ok(StatusCode::NO_CONTENT)
+        } else {
+            Err(RequestError::NotFound.into())
+        };
+    }
     let evicted = state.sessions.end(&id).ok_or(RequestError::NotFound)?;
     state.metrics.record_evictions(evicted);
     Ok(StatusCode::NO_CONTENT)

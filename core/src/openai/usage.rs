@@ -21,6 +21,9 @@ pub struct SpadeUsage {
     pub mean_tokens_per_call: f64,
     /// The draft length this request ran with: a number, or `"auto"`.
     pub draft_len: DraftLen,
+    /// The rule the verifier judged the drafts by (`ratio` or `match`); absent where no call reached it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<crate::AcceptRule>,
     /// Rounds that drafted ahead while a block was verified, and how many of those blocks were sent
     /// (the verifier's answer confirmed the continuation they were drafted on).
     pub ahead_drafted: u32,

@@ -253,3 +253,9 @@ pub async fn metric(url: &str, name: &str) -> f64 {
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * q).round() as usize]
 }
+
+/// `GET url` with the tests' bearer key, parsed.
+pub async fn get_json(url: &str) -> Value {
+    let r = reqwest::Client::new().get(url).bearer_auth(KEY).send().await.unwrap();
+    r.json().await.unwrap()
+}
