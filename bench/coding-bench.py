@@ -53,16 +53,29 @@ def spawn(cmd, log, env=None):
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
-def wait_ready(port, timeout=600):
+def wait_ready(port, timeout=600, path="/health/ready"):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=5).status == 200:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).status == 200:
                 return
         except Exception:
             pass
         time.sleep(0.5)
     raise SystemExit(f"port {port} never became ready")
+
+
+def edge(procs, verifier_port, rtt, flags, out, name):
+    """A gateway on the edge core (one compute thread) behind its own delay proxy at `rtt` ms to the
+    verifier; its processes join `procs`. Returns the gateway's port (not yet ready)."""
+    pport, gport = free_port(), free_port()
+    procs.append(spawn([BIN / "spade-delay-proxy", "--listen", f"127.0.0.1:{pport}", "--upstream",
+                        f"127.0.0.1:{verifier_port}", "--rtt-ms", str(rtt)], out / f"proxy-{name}-{rtt}.log"))
+    procs.append(spawn(["taskset", "-c", "1", BIN / "spade-gateway", "--draft-model", DRAFT, "--verifier-url",
+                        f"http://127.0.0.1:{pport}", "--port", str(gport), "--log", "warn",
+                        "--verify-timeout-secs", "600", *flags],
+                       out / f"gateway-{name}-{rtt}.log", {"RAYON_NUM_THREADS": "1"}))
+    return gport
 
 
 def post(port, path, body):
@@ -119,14 +132,7 @@ def main():
         for rtt in [int(r) for r in args.rtts.split(",")]:
             gateways = {}
             for mode, flags in MODES.items():
-                pport, gport = free_port(), free_port()
-                procs.append(spawn([BIN / "spade-delay-proxy", "--listen", f"127.0.0.1:{pport}", "--upstream",
-                                    f"127.0.0.1:{vport}", "--rtt-ms", str(rtt)], out / f"proxy-{mode}-{rtt}.log"))
-                procs.append(spawn(["taskset", "-c", "1", BIN / "spade-gateway", "--draft-model", DRAFT, "--verifier-url",
-                                    f"http://127.0.0.1:{pport}", "--port", str(gport), "--log", "warn",
-                                    "--verify-timeout-secs", "600", *flags],
-                                   out / f"gateway-{mode}-{rtt}.log", {"RAYON_NUM_THREADS": "1"}))
-                gateways[mode] = gport
+                gateways[mode] = edge(procs, vport, rtt, flags, out, mode)
             for port in gateways.values():
                 wait_ready(port)
             edits = {}

@@ -7,6 +7,8 @@
 #   deploy/caddy/Caddyfile    `caddy adapt --validate` (Debian's caddy package), one and two upstreams
 #   deploy/nginx/nginx.conf   `nginx -t` (the system's nginx, else Debian's nginx package), on a copy
 #                             whose upstream host names resolve here (see nginx_test)
+#   deploy/compose.engine.yaml the same schema and loader (edge -> spade-verifier --engine -> vLLM)
+#   deploy/k8s-engine/        kubernetes-validate --strict and kustomize, like deploy/k8s
 #   deploy/k8s/               kubernetes-validate --strict (Kubernetes OpenAPI schemas, oldest and
 #                             newest supported version) on every manifest and on the kustomize output
 #                             (`kubectl kustomize`)
@@ -232,6 +234,10 @@ check "$cf, profile replicas (gateway via lb)" "docker-compose $v_compose config
   compose_cfg SPADE_GATEWAY_VERIFIER_URL=http://lb:8081 "$compose" -f "$cf" --profile replicas config -q
 reject "$cf refuses to start without SPADE_VERIFIER_API_KEY" "docker-compose $v_compose config" -- \
   env -i PATH="$PATH" HOME="$tmp/home" "$compose" -f "$cf" config -q
+ce=deploy/compose.engine.yaml
+check "$ce against the compose-spec schema" "check-jsonschema $v_cjs, vendor.compose-spec" -- \
+  "$cjs" --builtin-schema vendor.compose-spec "$ce"
+check "$ce (edge -> verifier --engine -> vLLM)" "docker-compose $v_compose config" -- compose_cfg "$compose" -f "$ce" config -q
 check "$cf, all profiles rendered" "docker-compose $v_compose config" -- \
   to_file "$tmp/compose.json" compose_cfg "$compose" -f "$cf" --profile latency --profile tls --profile replicas config --format json
 if [ -s "$tmp/compose.json" ]; then
@@ -269,14 +275,19 @@ fi
 
 # --- 4. Kubernetes ------------------------------------------------------------------------------
 
-manifests=()
-for f in deploy/k8s/*.yaml; do
-  [ "$(basename "$f")" = kustomization.yaml ] || manifests+=("$f")
+for dir in deploy/k8s deploy/k8s-engine; do
+  files=()
+  for f in "$dir"/*.yaml; do
+    [ "$(basename "$f")" = kustomization.yaml ] || files+=("$f")
+  done
+  for k in $k8s_versions; do
+    check "$dir/*.yaml (${#files[@]} files) against Kubernetes $k" "kubernetes-validate $v_kval --strict" -- \
+      "$kval" --strict --quiet -k "$k" "${files[@]}"
+  done
 done
-for k in $k8s_versions; do
-  check "deploy/k8s/*.yaml (${#manifests[@]} files) against Kubernetes $k" "kubernetes-validate $v_kval --strict" -- \
-    "$kval" --strict --quiet -k "$k" "${manifests[@]}"
-done
+if [ -n "$kubectl" ]; then
+  check "kustomize build deploy/k8s-engine" "kubectl $v_kubectl kustomize" -- to_file "$tmp/k8s-engine.yaml" "$kubectl" kustomize deploy/k8s-engine
+fi
 if [ -n "$kubectl" ]; then
   check "kustomize build deploy/k8s" "kubectl $v_kubectl kustomize" -- to_file "$tmp/k8s.yaml" "$kubectl" kustomize deploy/k8s
   if [ -s "$tmp/k8s.yaml" ]; then
