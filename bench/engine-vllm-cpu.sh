@@ -80,5 +80,7 @@ for _ in $(seq 1 600); do
   sleep 1
 done
 cd "$root"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/spade/target}"
+bash scripts/patch-crates.sh
 SPADE_TEST_VLLM=1 SPADE_VLLM_URL=http://127.0.0.1:$port SPADE_VLLM_TARGET_GGUF=$gguf SPADE_VLLM_DRAFT_GGUF=$draft \
   cargo test -p spade-gateway --test engine_vllm -- --nocapture
