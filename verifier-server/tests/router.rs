@@ -371,7 +371,10 @@ async fn authentication_is_required_except_for_health() {
         (v["max_draft"].as_u64(), v["max_top_logprobs"].as_u64(), v["max_context"].as_u64()),
         (Some(32), Some(20), Some(64))
     );
-    assert_eq!(v["features"], json!(["penalties", "grammar", "logprobs", "binary", "prefix_cache"]));
+    assert_eq!(
+        v["features"],
+        json!(["penalties", "grammar", "logprobs", "binary", "prefix_cache"])
+    );
     let (_, v, _) = call(
         &state(&["--max-draft", "2", "--prefix-cache", "false"], true),
         "GET",
