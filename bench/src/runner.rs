@@ -26,14 +26,14 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 
 use crate::client::{stream_chat, ChatRequest};
-use crate::link::LinkConfig;
 use crate::machine::cpu_seconds;
 use crate::pinning::{cpus_of, Pinning};
 use crate::plan::{turns, Batch, Kind, Mode, Plan, GATEWAY_START_S, VERIFIER_START_S};
 use crate::prom::{Scrape, VerifierCounters};
-use crate::proxy::{spawn_proxy, ProxyHandle};
 use crate::stack::{free_port, Ready, Server};
 use crate::summary::{BatchResult, DriftSwitch, Record};
+use spade_delay_proxy::LinkConfig;
+use spade_delay_proxy::{spawn_proxy, ProxyHandle};
 
 /// Where the servers and models are, and the link's extras.
 #[derive(Debug, Clone)]

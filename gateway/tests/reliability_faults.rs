@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use real::*;
 use serde_json::{json, Value};
-use spade_bench::{spawn_proxy, LinkConfig};
+use spade_delay_proxy::{spawn_proxy, LinkConfig};
 
 const PROMPTS: [&str; 3] = [
     "Write one sentence about the sea.",

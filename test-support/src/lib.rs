@@ -2,10 +2,12 @@
 //!
 //! - [`models`]: where the real test models are.
 //! - [`process`]: a server binary as a child process on a free loopback port, logs captured, killed on drop.
-//! - [`fake`]: deterministic scorer and edge model, for router tests only (everything else uses real models).
+//! - `fake` (feature `fake`): deterministic scorer and edge model, for router tests only (everything
+//!   else uses real models).
 //! - [`report`]: one observed case of the reliability report (scripts/reliability.sh renders it).
 //! - [`rss_mb`], [`threads`]: a process's resident memory and thread count; [`chi_square_critical`]: the statistical tests' bound.
 
+#[cfg(feature = "fake")]
 pub mod fake;
 pub mod models;
 pub mod process;

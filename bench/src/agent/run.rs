@@ -24,11 +24,11 @@ use anyhow::Context;
 use super::conversation::Conversation;
 use super::stream::{counter, delta, stream_turn, DRAFT_COMPUTED, PROMPT_CACHED, PROMPT_COMPUTED};
 use super::{AgentMode, AgentPlan, TurnRecord};
-use crate::link::LinkConfig;
 use crate::machine::cpu_seconds;
 use crate::pinning::{cpus_of, Pinning};
-use crate::proxy::{spawn_proxy, ProxyHandle};
 use crate::stack::{free_port, Ready, Server};
+use spade_delay_proxy::LinkConfig;
+use spade_delay_proxy::{spawn_proxy, ProxyHandle};
 
 /// The API key the benchmark's verifiers are started with (loopback only).
 const VERIFIER_KEY: &str = "spade-agent-bench";

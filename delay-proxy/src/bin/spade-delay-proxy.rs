@@ -2,13 +2,13 @@
 //!
 //! Put it between the gateway and the verifier (point the gateway's verifier address at `--listen`)
 //! to give their calls a real round-trip time without `tc netem`, which this kernel lacks. See
-//! `spade_bench::link` for the model.
+//! `spade_delay_proxy::link` for the model.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Parser;
-use spade_bench::{run_proxy, LinkConfig};
+use spade_delay_proxy::{run_proxy, LinkConfig};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -46,7 +46,7 @@ struct Args {
     #[arg(long, env = "SPADE_PROXY_SEED")]
     seed: Option<u64>,
 
-    /// Log filter (tracing-subscriber syntax), e.g. `info` or `spade_bench=debug` for every connection.
+    /// Log filter (tracing-subscriber syntax), e.g. `info` or `spade_delay_proxy=debug` for every connection.
     #[arg(long, env = "SPADE_PROXY_LOG", default_value = "info")]
     log: String,
 }

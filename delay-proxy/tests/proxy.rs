@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use spade_bench::{spawn_proxy, LinkConfig, ProxyHandle};
+use spade_delay_proxy::{spawn_proxy, LinkConfig, ProxyHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{timeout, Instant};
