@@ -22,9 +22,7 @@ async fn slow_verifier() -> Running {
 
 async fn metric(url: &str, name: &str) -> f64 {
     let text = client().get(format!("{url}/metrics")).send().await.unwrap().text().await.unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in {text}"))
+    spade_test_support::metric_value(&text, name).unwrap_or_else(|| panic!("{name} not in {text}"))
 }
 
 /// Status, headers, body and how long the answer took.

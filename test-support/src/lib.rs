@@ -5,7 +5,8 @@
 //! - `fake` (feature `fake`): deterministic scorer and edge model, for router tests only (everything
 //!   else uses real models).
 //! - [`report`]: one observed case of the reliability report (scripts/reliability.sh renders it).
-//! - [`rss_mb`], [`threads`]: a process's resident memory and thread count; [`chi_square_critical`]: the statistical tests' bound.
+//! - [`rss_mb`], [`threads`]: a process's resident memory and thread count; [`chi_square_critical`]: the statistical tests' bound;
+//!   [`metric_value`]: one sample of a `/metrics` answer.
 
 #[cfg(feature = "fake")]
 pub mod fake;
@@ -32,6 +33,12 @@ pub fn threads(pid: u32) -> usize {
 pub fn chi_square_critical(df: usize) -> f64 {
     let (df, z) = (df as f64, 3.719);
     df * (1.0 - 2.0 / (9.0 * df) + z * (2.0 / (9.0 * df)).sqrt()).powi(3)
+}
+
+/// The value of the sample `name` (with its labels, as written: `a_total{rule="match"}`) in a
+/// Prometheus text exposition, such as a `/metrics` answer.
+pub fn metric_value(exposition: &str, name: &str) -> Option<f64> {
+    exposition.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
 }
 
 /// Appends one observed case to the reliability report, where `SPADE_RELIABILITY_REPORT` names its

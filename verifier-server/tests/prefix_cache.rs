@@ -89,9 +89,7 @@ async fn metric(client: &reqwest::Client, url: &str, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing"))
+    spade_test_support::metric_value(&text, name).unwrap_or_else(|| panic!("{name} missing"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

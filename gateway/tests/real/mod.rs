@@ -245,9 +245,7 @@ pub async fn metric(url: &str, name: &str) -> f64 {
         .text()
         .await
         .unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("{name} missing"))
+    spade_test_support::metric_value(&text, name).unwrap_or_else(|| panic!("{name} missing"))
 }
 
 pub fn percentile(sorted: &[f64], q: f64) -> f64 {
