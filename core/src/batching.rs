@@ -24,7 +24,7 @@ pub struct Waiting {
     /// Positions still to score.
     pub pending: usize,
     /// The last of them, which need logits and so go in one pass (at least 1).
-    pub tail: usize,
+    pub logit_rows: usize,
 }
 
 /// The bounds of one forward pass.
@@ -36,21 +36,21 @@ pub struct PassLimits {
 }
 
 impl PassLimits {
-    /// Whether every call whose tail is at most `max_tail` can be served.
-    pub fn check(&self, max_tail: usize) -> Result<(), String> {
+    /// Whether every call whose logit rows are at most `max_logit_rows` can be served.
+    pub fn check(&self, max_logit_rows: usize) -> Result<(), String> {
         if self.max_sessions == 0 || self.prefill_chunk == 0 {
             return Err("a pass needs room for at least one session and one row".into());
         }
-        let need = 2 * self.prefill_chunk.max(max_tail);
+        let need = 2 * self.prefill_chunk.max(max_logit_rows);
         if self.max_rows < need {
-            return Err(format!("{} rows per pass leave no room for a prefill chunk beside a block of {max_tail} positions (at least {need})", self.max_rows));
+            return Err(format!("{} rows per pass leave no room for a prefill chunk beside a block of {max_logit_rows} positions (at least {need})", self.max_rows));
         }
         Ok(())
     }
 }
 
 /// Rows each waiting call scores in the next pass (0: it waits), in the order given. Every call
-/// gets either all its pending rows or at most `pending - tail`, and the oldest call always gets
+/// gets either all its pending rows or at most `pending - logit_rows`, and the oldest call always gets
 /// some when the limits pass [`PassLimits::check`].
 pub fn plan_pass(waiting: &[Waiting], limits: &PassLimits) -> Vec<usize> {
     let mut plan = vec![0; waiting.len()];
@@ -60,7 +60,7 @@ pub fn plan_pass(waiting: &[Waiting], limits: &PassLimits) -> Vec<usize> {
         }
         return plan;
     }
-    let cap = |c: &Waiting| limits.prefill_chunk.max(c.tail);
+    let cap = |c: &Waiting| limits.prefill_chunk.max(c.logit_rows);
     let is_long = |c: &Waiting| c.pending > cap(c);
     let mut budget = limits.max_rows;
     let mut sessions = 0;
@@ -91,13 +91,13 @@ pub fn plan_pass(waiting: &[Waiting], limits: &PassLimits) -> Vec<usize> {
 }
 
 /// All of the call's pending rows if they fit in `cap` and `budget`, else as many as fit short of
-/// its tail.
+/// its logit rows.
 fn rows_within(call: &Waiting, cap: usize, budget: usize) -> usize {
-    let tail = call.tail.clamp(1, call.pending.max(1));
+    let logit_rows = call.logit_rows.clamp(1, call.pending.max(1));
     if call.pending <= cap.min(budget) {
         call.pending
     } else {
-        (call.pending - tail).min(cap).min(budget)
+        (call.pending - logit_rows).min(cap).min(budget)
     }
 }
 
@@ -191,7 +191,7 @@ pub fn admit(
     limits: &PassLimits,
     max_backlog_secs: f64,
 ) -> Result<(), u64> {
-    let prefill = call.pending.saturating_sub(call.tail);
+    let prefill = call.pending.saturating_sub(call.logit_rows);
     let Some(per_row) = cost.seconds_per_row() else { return Ok(()) };
     if max_backlog_secs <= 0.0 || prefill <= limits.prefill_chunk {
         return Ok(());
@@ -283,8 +283,8 @@ mod tests {
 
     const LIMITS: PassLimits = PassLimits { max_rows: 64, max_sessions: 8, prefill_chunk: 16 };
 
-    fn call(pending: usize, tail: usize) -> Waiting {
-        Waiting { pending, tail }
+    fn call(pending: usize, logit_rows: usize) -> Waiting {
+        Waiting { pending, logit_rows }
     }
 
     /// Every plan keeps the invariants, for many queues.
@@ -293,7 +293,7 @@ mod tests {
         assert!(plan.iter().sum::<usize>() <= limits.max_rows);
         assert!(plan.iter().filter(|&&r| r > 0).count() <= limits.max_sessions);
         for (r, w) in plan.iter().zip(waiting) {
-            assert!(*r == w.pending || *r + w.tail <= w.pending, "{r} rows of {w:?}");
+            assert!(*r == w.pending || *r + w.logit_rows <= w.pending, "{r} rows of {w:?}");
         }
         assert!(waiting.is_empty() || plan[0] > 0, "the oldest call waits: {waiting:?}");
         plan
@@ -309,7 +309,7 @@ mod tests {
     fn a_lone_prefill_takes_whole_passes() {
         assert_eq!(check_plan(&[call(500, 5)], &LIMITS), vec![64]);
         assert_eq!(check_plan(&[call(60, 5)], &LIMITS), vec![60]);
-        // The last pass holds the whole tail: 67 rows would leave 3 of the 5 logit rows behind.
+        // The last pass holds all the logit rows: 67 rows would leave 3 of the 5 logit rows behind.
         assert_eq!(check_plan(&[call(67, 5)], &LIMITS), vec![62]);
     }
 
@@ -366,8 +366,8 @@ mod tests {
             }
             let waiting: Vec<Waiting> = (0..1 + next(20))
                 .map(|_| {
-                    let tail = 1 + next(17);
-                    call(tail + next(300), tail)
+                    let logit_rows = 1 + next(17);
+                    call(logit_rows + next(300), logit_rows)
                 })
                 .collect();
             check_plan(&waiting, &limits);

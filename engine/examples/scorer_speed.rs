@@ -124,7 +124,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .zip(&sequences)
                 .map(|(session, seq)| {
                     session.truncate(seq.len() - b);
-                    BatchJob { session: session.as_mut(), tokens: seq, n_logits: b, rows: b }
+                    BatchJob { session: session.as_mut(), tokens: seq, logit_rows: b, rows: b }
                 })
                 .collect();
             for result in scorer.score_batch(&mut jobs) {

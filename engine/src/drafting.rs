@@ -15,7 +15,7 @@ use crate::{DraftParams, DraftStream, Drafter, EngineError, KeepDrafting};
 
 /// Draft tokens per round: a fixed number, or chosen online each round.
 #[derive(Debug, Clone)]
-pub enum DraftLength {
+pub enum DraftLenSetting {
     /// This many every round; 0 = target-only decoding through the verifier.
     Fixed(usize),
     /// Chosen by spade-core's [`DraftController`] up to `max`, starting from `seed`'s estimates
@@ -24,7 +24,7 @@ pub enum DraftLength {
     Auto { max: usize, seed: Arc<Mutex<Estimates>>, block_end: BlockEnd },
 }
 
-impl DraftLength {
+impl DraftLenSetting {
     /// As the API names it: the number, or `auto`.
     pub fn label(&self) -> DraftLen {
         match self {
@@ -48,10 +48,10 @@ pub(crate) enum Pacing {
 }
 
 impl Pacing {
-    pub fn new(length: &DraftLength, overlap: bool) -> Self {
+    pub fn new(length: &DraftLenSetting, overlap: bool) -> Self {
         match length {
-            DraftLength::Fixed(n) => Self::Fixed(*n),
-            DraftLength::Auto { max, seed, block_end } => {
+            DraftLenSetting::Fixed(n) => Self::Fixed(*n),
+            DraftLenSetting::Auto { max, seed, block_end } => {
                 let estimates = seed.lock().map(|e| e.clone()).unwrap_or_default();
                 let controller =
                     DraftController::new(*max, overlap, estimates).with_block_end(*block_end);

@@ -9,7 +9,7 @@ use spade_core::{AcceptRule, DraftToken, Penalties, SamplingParams};
 
 use crate::round::{Round, TargetRule};
 use crate::speculative::{
-    run, BlockVerifier, DraftLength, Finish, Flow, LoopError, LoopParams, LoopStats, TokenSink,
+    run, BlockVerifier, DraftLenSetting, Finish, Flow, LoopError, LoopParams, LoopStats, TokenSink,
     Verified, VerifyFailure, WhenUnreachable,
 };
 use crate::{DraftParams, Drafter, EngineError, ScoreSession, SharedGrammar};
@@ -112,7 +112,7 @@ pub async fn generate_proposing(
     }
     let loop_params = LoopParams {
         max_new_tokens: params.max_new_tokens,
-        draft_len: DraftLength::Fixed(params.draft_len),
+        draft_len: DraftLenSetting::Fixed(params.draft_len),
         draft_ahead: params.draft_ahead,
         draft: DraftParams {
             sampling: params.draft_sampling,

@@ -246,41 +246,41 @@ pub struct BatchJob<'a> {
     pub session: &'a mut dyn ScoreSession,
     /// The whole sequence the session is being brought to, as for [`ScoreSession::score`].
     pub tokens: &'a [u32],
-    pub n_logits: usize,
+    pub logit_rows: usize,
     /// New positions this pass computes: all that are left ([`ScoreSession::rows_to_score`]), which
-    /// finishes the job, or at most that many less `n_logits` (a prefill chunk, no logits yet).
+    /// finishes the job, or at most that many less `logit_rows` (a prefill chunk, no logits yet).
     pub rows: usize,
 }
 
 impl BatchJob<'_> {
     /// Whether this pass finishes the job; an error where `rows` splits the rows that need logits.
     pub fn finishes(&self) -> Result<bool, EngineError> {
-        let pending = self.session.rows_to_score(self.tokens, self.n_logits);
+        let pending = self.session.rows_to_score(self.tokens, self.logit_rows);
         match self.rows {
             r if r == pending => Ok(true),
-            r if r >= 1 && r + self.n_logits <= pending => Ok(false),
+            r if r >= 1 && r + self.logit_rows <= pending => Ok(false),
             r => Err(EngineError::InvalidRequest(format!(
                 "a pass of {r} rows of the {pending} left would split the {} rows that need logits",
-                self.n_logits
+                self.logit_rows
             ))),
         }
     }
 
     fn score_alone(&mut self) -> Result<Option<Logits>, EngineError> {
         if self.finishes()? {
-            return self.session.score(self.tokens, self.n_logits).map(Some);
+            return self.session.score(self.tokens, self.logit_rows).map(Some);
         }
-        let end =
-            self.tokens.len() - self.session.rows_to_score(self.tokens, self.n_logits) + self.rows;
+        let end = self.tokens.len() - self.session.rows_to_score(self.tokens, self.logit_rows)
+            + self.rows;
         self.session.score(&self.tokens[..end], 1).map(|_| None)
     }
 }
 
 /// A KV-cached context of the target model.
 pub trait ScoreSession: Send {
-    /// Logits `[n_logits][vocab]` at the last `n_logits` positions of `tokens` (row i predicts the token
-    /// after `tokens[len - n_logits + i]`). Reuses the cache for the longest common prefix.
-    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError>;
+    /// Logits `[logit_rows][vocab]` at the last `logit_rows` positions of `tokens` (row i predicts the token
+    /// after `tokens[len - logit_rows + i]`). Reuses the cache for the longest common prefix.
+    fn score(&mut self, tokens: &[u32], logit_rows: usize) -> Result<Vec<Vec<f32>>, EngineError>;
     /// The token ids whose KV rows are cached.
     fn cached_tokens(&self) -> &[u32];
     /// Ids from here on are padding rows of the logits ([`ModelMeta::text_tokens`]): never sampled.
@@ -291,10 +291,10 @@ pub trait ScoreSession: Send {
     fn truncate(&mut self, len: usize);
     fn memory_bytes(&self) -> usize;
     /// Positions [`Self::score`] would compute for `tokens`: those after the longest cached prefix,
-    /// and at least the `n_logits` last ones.
-    fn rows_to_score(&self, tokens: &[u32], n_logits: usize) -> usize {
+    /// and at least the `logit_rows` last ones.
+    fn rows_to_score(&self, tokens: &[u32], logit_rows: usize) -> usize {
         let common = self.cached_tokens().iter().zip(tokens).take_while(|(a, b)| a == b).count();
-        tokens.len() - common.min(tokens.len().saturating_sub(n_logits))
+        tokens.len() - common.min(tokens.len().saturating_sub(logit_rows))
     }
     /// The concrete session, for a scorer that batches its own sessions' passes.
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {

@@ -13,7 +13,7 @@ use spade_core::lookup::{Proposal, Proposer, Source};
 use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, SparseDist};
 
-pub use crate::drafting::DraftLength;
+pub use crate::drafting::DraftLenSetting;
 use crate::drafting::{observation, Block, Drafted, Pacing};
 pub use crate::in_process::{
     generate, generate_proposing, Collect, GenerateParams, Generation, LocalVerifier,
@@ -81,7 +81,7 @@ pub enum WhenUnreachable {
 pub struct LoopParams {
     pub max_new_tokens: usize,
     /// Draft tokens per round: fixed (0 = target-only decoding) or chosen online.
-    pub draft_len: DraftLength,
+    pub draft_len: DraftLenSetting,
     /// Keep drafting the optimistic continuation while a block is verified (see [`run`]).
     pub draft_ahead: bool,
     /// How the draft samples its q (any choice is lossless).

@@ -18,7 +18,7 @@ use spade_core::{distribution, AcceptRule, Penalties, SamplingParams, SparseDist
 use spade_engine::drafter::DrafterOptions;
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{
-    self, Collect, DraftLength, LocalVerifier, LoopParams, WhenUnreachable,
+    self, Collect, DraftLenSetting, LocalVerifier, LoopParams, WhenUnreachable,
 };
 use spade_engine::{DraftParams, SharedGrammar};
 use spade_engine::{Drafter, Scorer};
@@ -130,7 +130,7 @@ async fn second_token_follows_p(
     for seed in 0..SAMPLES {
         let params = LoopParams {
             max_new_tokens: 4,
-            draft_len: DraftLength::Fixed(3),
+            draft_len: DraftLenSetting::Fixed(3),
             draft_ahead: true,
             draft: DraftParams {
                 sampling: draft_sampling,

@@ -69,7 +69,7 @@ fn batched_passes_are_bitwise_equal_to_each_session_alone() {
                 batch.push(spade_engine::BatchJob {
                     session: session.as_mut(),
                     tokens,
-                    n_logits: *n,
+                    logit_rows: *n,
                     rows: *rows,
                 });
             }
@@ -95,8 +95,8 @@ fn batched_passes_are_bitwise_equal_to_each_session_alone() {
         let mut s = scorer.new_session();
         let mut t = scorer.new_session();
         let results = scorer.score_batch(&mut [
-            spade_engine::BatchJob { session: s.as_mut(), tokens: &a, n_logits: 4, rows: 7 },
-            spade_engine::BatchJob { session: t.as_mut(), tokens: &b, n_logits: 1, rows: 6 },
+            spade_engine::BatchJob { session: s.as_mut(), tokens: &a, logit_rows: 4, rows: 7 },
+            spade_engine::BatchJob { session: t.as_mut(), tokens: &b, logit_rows: 1, rows: 6 },
         ]);
         assert!(results[0].is_err() && matches!(results[1], Ok(Some(_))), "{name}");
     }

@@ -18,7 +18,7 @@ use spade_core::tools::{FunctionCall, ToolCall, ToolCallParser, ToolOutput};
 use spade_core::{AcceptRule, IncrementalDecoder, Penalties, SamplingParams, StopMatcher};
 use spade_engine::round::TargetRule;
 use spade_engine::speculative::{
-    self, DraftLength, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure,
+    self, DraftLenSetting, Finish, Flow, LoopError, LoopParams, TokenSink, VerifyFailure,
     WhenUnreachable,
 };
 use spade_engine::{DraftParams, EdgeModel, EngineError, SharedGrammar};
@@ -28,7 +28,7 @@ use crate::config::OfflineFallback;
 use crate::error::ApiError;
 use crate::metrics::GenerationRecord;
 use crate::state::AppState;
-use crate::verifier::RemoteSession;
+use crate::verifier::RemoteVerifier;
 
 /// A validated request, ready to run.
 #[derive(Debug, Clone)]
@@ -42,7 +42,7 @@ pub struct Job {
     pub stops: Vec<String>,
     /// Some(n): return each token's logprob with n alternatives.
     pub top_logprobs: Option<u8>,
-    pub draft_len: DraftLength,
+    pub draft_len: DraftLenSetting,
     /// False when the verifier was already known to be down and the fallback is on.
     pub verify: bool,
     /// A seeded sampled request: worth a fresh draft cache so that it reproduces.
@@ -192,7 +192,7 @@ async fn generate(
         accept: job.rule.unwrap_or_default(),
     };
     let grammar = job.grammar.as_ref().map(|g| g.wire.clone());
-    let mut remote = RemoteSession::new(
+    let mut remote = RemoteVerifier::new(
         state.clone(),
         rule,
         grammar,

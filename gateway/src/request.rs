@@ -15,7 +15,7 @@ use spade_core::openai::{DraftLen, GenerationFields, MessageContent, Prediction,
 use spade_core::protocol::{FEATURE_BINARY, FEATURE_GRAMMAR, FEATURE_LOGPROBS, FEATURE_PENALTIES};
 use spade_core::rng::choice_seed;
 use spade_core::{AcceptRule, ErrorBody, Penalties, SamplingError, SamplingParams};
-use spade_engine::speculative::DraftLength;
+use spade_engine::speculative::DraftLenSetting;
 use spade_engine::{EdgeModel, EngineError};
 use spade_http::{Json, RequestError};
 use tokio::sync::mpsc;
@@ -241,13 +241,13 @@ fn penalty_param(p: &Penalties) -> &'static str {
 /// `prompt_param` names the request field a too-long prompt came from.
 pub async fn job(
     state: &AppState,
-    d: &Decoding,
+    decoding: &Decoding,
     prompt: Vec<u32>,
     prompt_param: &str,
 ) -> Result<Job, ApiError> {
     let model = state.model()?.clone();
     // Padding ids are no tokens (and may lie past the verifier's rows).
-    d.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
+    decoding.penalties.validate(model.meta().text_tokens).map_err(invalid_sampling)?;
     let max_draft_len = state.settings.max_draft_len;
     let (max_context, max_draft, verify, binary, proposal_cap, rule) = match state
         .verifier_info()
@@ -261,15 +261,15 @@ pub async fn job(
                 Some(engine) => format!("this one verifies on a serving engine ({engine}), which cannot apply them to drafted tokens"),
                 None => "this one does not: upgrade it".to_string(),
             };
-            if !d.penalties.is_noop() && lacks(FEATURE_PENALTIES) {
+            if !decoding.penalties.is_noop() && lacks(FEATURE_PENALTIES) {
                 let message = format!("penalties and logit_bias need a verifier that applies them (feature \"penalties\" in its /v1/info); {why}");
-                return Err(refuse(penalty_param(&d.penalties), &message));
+                return Err(refuse(penalty_param(&decoding.penalties), &message));
             }
-            if let Some(grammar) = d.grammar.as_ref().filter(|_| lacks(FEATURE_GRAMMAR)) {
+            if let Some(grammar) = decoding.grammar.as_ref().filter(|_| lacks(FEATURE_GRAMMAR)) {
                 let message = format!("constrained output needs a verifier that applies grammars (feature \"grammar\" in its /v1/info); {why}");
                 return Err(refuse(grammar.param, &message));
             }
-            if d.top_logprobs.is_some() && lacks(FEATURE_LOGPROBS) {
+            if decoding.top_logprobs.is_some() && lacks(FEATURE_LOGPROBS) {
                 let message = format!("logprobs need a verifier that returns the target's log-probabilities (feature \"logprobs\" in its /v1/info); {why}");
                 return Err(refuse("logprobs", &message));
             }
@@ -293,20 +293,21 @@ pub async fn job(
     };
     // Under the ratio rule which tokens a sampled generation commits depends on what was drafted;
     // under the match rule it does not (randomness keyed by position alone).
-    let reproducible =
-        d.seed.is_some() && !d.sampling.is_greedy() && rule != Some(AcceptRule::Match);
-    let draft_len = match d.draft_len.unwrap_or(state.settings.draft_len).fixed() {
-        Some(n) if n as usize > max_draft && d.draft_len.is_some() => {
+    let reproducible = decoding.seed.is_some()
+        && !decoding.sampling.is_greedy()
+        && rule != Some(AcceptRule::Match);
+    let draft_len = match decoding.draft_len.unwrap_or(state.settings.draft_len).fixed() {
+        Some(n) if n as usize > max_draft && decoding.draft_len.is_some() => {
             return Err(ApiError::invalid(
                 "spade.draft_len",
                 format!("spade.draft_len is {n}; at most {max_draft} here (or \"auto\")"),
             ));
         }
-        Some(n) => DraftLength::Fixed(n as usize),
+        Some(n) => DraftLenSetting::Fixed(n as usize),
         // Which tokens a sampled generation commits depends on what was drafted, and `auto` chooses
         // from measured times: a seeded request drafts a fixed length so that it reproduces.
-        None if reproducible => DraftLength::Fixed(SEEDED_DRAFT_LEN.min(max_draft)),
-        None => DraftLength::Auto {
+        None if reproducible => DraftLenSetting::Fixed(SEEDED_DRAFT_LEN.min(max_draft)),
+        None => DraftLenSetting::Auto {
             max: max_draft,
             seed: state.draft_estimates.clone(),
             block_end: state.settings.draft_block_end,
@@ -327,23 +328,24 @@ pub async fn job(
     }
     let room = max_context - prompt.len();
     let cap = state.settings.max_completion_tokens;
-    if let (Some(m), Some(cap)) = (d.max_tokens, cap) {
+    if let (Some(m), Some(cap)) = (decoding.max_tokens, cap) {
         if m > cap {
-            let param = d.max_tokens_param;
+            let param = decoding.max_tokens_param;
             return Err(ApiError::invalid(
                 param,
                 format!("{param} is {m}; this gateway allows at most {cap}"),
             ));
         }
     }
-    if let Some(m) = d.max_tokens.filter(|&m| m > room) {
+    if let Some(m) = decoding.max_tokens.filter(|&m| m > room) {
         return Err(too_long(format!("the prompt ({} tokens) plus max_tokens ({m}) exceeds the model's context of {max_context}", prompt.len())));
     }
-    let penalties = Some(Penalties { prompt_len: prompt.len() as u32, ..d.penalties.clone() })
-        .filter(|p| !p.is_noop());
+    let penalties =
+        Some(Penalties { prompt_len: prompt.len() as u32, ..decoding.penalties.clone() })
+            .filter(|p| !p.is_noop());
     // Copied drafts where the verifier checks them, unless the request sends no drafts at all.
-    let lookup = d.lookup.unwrap_or(state.settings.prompt_lookup);
-    let proposer = match &d.prediction {
+    let lookup = decoding.lookup.unwrap_or(state.settings.prompt_lookup);
+    let proposer = match &decoding.prediction {
         _ if !verify || draft_len.max() == 0 => None,
         Some(text) => {
             Some(Proposer::new(model.encode_text(text, false).await?, lookup, proposal_cap))
@@ -351,17 +353,17 @@ pub async fn job(
         None => Some(Proposer::new(Vec::new(), lookup, proposal_cap)),
     }
     .filter(Proposer::is_active);
-    let grammar = match &d.grammar {
+    let grammar = match &decoding.grammar {
         Some(g) => Some(constraint(model, g, prompt.len()).await?),
         None => None,
     };
     Ok(Job {
         penalties,
-        max_tokens: d.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
-        sampling: d.sampling,
-        seed: d.seed.unwrap_or_else(|| rand::rng().random()),
-        stops: d.stops.clone(),
-        top_logprobs: d.top_logprobs,
+        max_tokens: decoding.max_tokens.unwrap_or(room.min(cap.unwrap_or(usize::MAX))),
+        sampling: decoding.sampling,
+        seed: decoding.seed.unwrap_or_else(|| rand::rng().random()),
+        stops: decoding.stops.clone(),
+        top_logprobs: decoding.top_logprobs,
         draft_len,
         verify,
         reproducible,
@@ -407,13 +409,13 @@ async fn constraint(
 }
 
 /// Runs the request's `n` generations (choice i seeded with [`choice_seed`]) and answers in `shape`:
-/// one JSON object, or SSE when `d.stream`. The choices run at the same time, except for a seeded
+/// one JSON object, or SSE when `decoding.stream`. The choices run at the same time, except for a seeded
 /// sampled request: its choices run one after another, each from a fresh draft cache, so that it
 /// reproduces (see `Drafter::begin_generation`). `ticket`: the request's places, freed when its last
 /// generation ends.
 pub async fn answer(
     state: &AppState,
-    d: &Decoding,
+    decoding: &Decoding,
     job: Job,
     shape: Shape,
     ticket: Ticket,
@@ -421,13 +423,13 @@ pub async fn answer(
     let meta = respond::Meta::new(
         &state.settings.model_name,
         job.prompt.len(),
-        d.top_logprobs.is_some(),
+        decoding.top_logprobs.is_some(),
         shape,
-        d.n as usize,
+        decoding.n as usize,
     );
-    let events = start(state, d, job, ticket).await?;
-    if d.stream {
-        Ok(respond::stream(meta, events, d.include_usage, state.settings.keep_alive)
+    let events = start(state, decoding, job, ticket).await?;
+    if decoding.stream {
+        Ok(respond::stream(meta, events, decoding.include_usage, state.settings.keep_alive)
             .into_response())
     } else {
         respond::collect(meta, events).await.map(|c| Json(c).into_response())
@@ -439,14 +441,14 @@ pub async fn answer(
 /// tagged by choice.
 pub async fn start(
     state: &AppState,
-    d: &Decoding,
+    decoding: &Decoding,
     job: Job,
     ticket: Ticket,
 ) -> Result<respond::Events, ApiError> {
-    let one_by_one = job.reproducible && d.n > 1;
+    let one_by_one = job.reproducible && decoding.n > 1;
     let ticket = Arc::new(ticket);
     let (mut runs, mut receivers) = (Vec::new(), Vec::new());
-    for index in 0..d.n {
+    for index in 0..decoding.n {
         let (tx, rx) = mpsc::channel(64);
         let (state, job, ticket) = (
             state.clone(),

@@ -133,8 +133,7 @@ impl Gateway {
                 .seed_verifier_passes(&pass_s)
                 > 0
             {
-                // What `--draft-len auto` starts from, so its choices can be replayed from the log
-                // (core/examples/draft_control_replay.rs).
+                // What `--draft-len auto` starts from, so its choices can be explained from the log.
                 tracing::info!(pass_ms = ?info.pass_ms, "draft-length model seeded with the verifier's pass times");
             }
         }

@@ -301,7 +301,7 @@ fn describe(e: &reqwest::Error) -> String {
 /// One generation's verifier session: the loop's [`BlockVerifier`] over HTTP. Sends only the ids
 /// appended since the last call, resends the full context when the verifier lost the session, and
 /// frees the session when dropped.
-pub struct RemoteSession {
+pub struct RemoteVerifier {
     state: AppState,
     id: String,
     rule: TargetRule,
@@ -322,7 +322,7 @@ pub struct RemoteSession {
     pub prompt_cached_tokens: Option<u32>,
 }
 
-impl RemoteSession {
+impl RemoteVerifier {
     pub fn new(
         state: AppState,
         rule: TargetRule,
@@ -356,7 +356,7 @@ impl RemoteSession {
 }
 
 #[async_trait::async_trait]
-impl BlockVerifier for RemoteSession {
+impl BlockVerifier for RemoteVerifier {
     async fn verify(
         &mut self,
         context: &[u32],
@@ -423,7 +423,7 @@ impl BlockVerifier for RemoteSession {
     }
 }
 
-impl Drop for RemoteSession {
+impl Drop for RemoteVerifier {
     fn drop(&mut self) {
         // The verifier holds this generation's KV cache: free it now, not at LRU eviction.
         if self.opened {

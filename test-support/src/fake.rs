@@ -58,10 +58,10 @@ struct FakeSession {
 }
 
 impl ScoreSession for FakeSession {
-    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
-        if n_logits == 0 || n_logits > tokens.len() {
+    fn score(&mut self, tokens: &[u32], logit_rows: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        if logit_rows == 0 || logit_rows > tokens.len() {
             return Err(EngineError::InvalidRequest(format!(
-                "{n_logits} logits asked of {} tokens",
+                "{logit_rows} logits asked of {} tokens",
                 tokens.len()
             )));
         }
@@ -71,7 +71,7 @@ impl ScoreSession for FakeSession {
             return Err(EngineError::Drafter("scorer failure injected by the test".into()));
         }
         self.tokens = tokens.to_vec();
-        Ok((tokens.len() - n_logits..tokens.len())
+        Ok((tokens.len() - logit_rows..tokens.len())
             .map(|end| (self.logits)(&tokens[..=end]))
             .collect())
     }

@@ -25,7 +25,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::sessions::Session;
 
-/// A finished call: its session back, the logits of its last `n_logits` positions, and how long it
+/// A finished call: its session back, the logits of its last `logit_rows` positions, and how long it
 /// waited for its first pass and then took to score.
 pub struct Scored {
     pub session: OwnedMutexGuard<Session>,
@@ -37,7 +37,7 @@ pub struct Scored {
 struct Call {
     session: OwnedMutexGuard<Session>,
     tokens: Vec<u32>,
-    n_logits: usize,
+    logit_rows: usize,
     /// Rows still to score: counted once, when the call was admitted, then less what each pass
     /// scored (the sum over calls is [`Load::rows`]).
     left: usize,
@@ -116,7 +116,7 @@ impl Batcher {
         !self.thread.is_finished()
     }
 
-    /// Whether a call of session `session_id` scoring `tokens` in `session` (the last `n_logits` with
+    /// Whether a call of session `session_id` scoring `tokens` in `session` (the last `logit_rows` with
     /// logits) may join now: spade-core's [`admit`] against the current backlog plus the prompts turned
     /// away before it ([`PromptLine`]), else 429 `verifier_busy`.
     pub fn admit(
@@ -124,9 +124,9 @@ impl Batcher {
         session_id: Option<&str>,
         session: &dyn ScoreSession,
         tokens: &[u32],
-        n_logits: usize,
+        logit_rows: usize,
     ) -> Result<Joining, ApiError> {
-        let call = Waiting { pending: session.rows_to_score(tokens, n_logits), tail: n_logits };
+        let call = Waiting { pending: session.rows_to_score(tokens, logit_rows), logit_rows };
         // One reading of the backlog and the cost serves both the decision and its message.
         let (backlog, cost) = (self.load.rows.load(Ordering::SeqCst), self.load.row_cost());
         let mut line = self.line.lock().unwrap_or_else(|p| p.into_inner());
@@ -146,20 +146,20 @@ impl Batcher {
         self.line.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 
-    /// Scores `tokens` in `session`, returning the logits of the last `n_logits` positions.
+    /// Scores `tokens` in `session`, returning the logits of the last `logit_rows` positions.
     pub async fn score(
         &self,
         joining: Joining,
         session: OwnedMutexGuard<Session>,
         tokens: Vec<u32>,
-        n_logits: usize,
+        logit_rows: usize,
     ) -> Result<Scored, EngineError> {
         let (reply, answer) = oneshot::channel();
         let left = joining.rows;
         let call = Call {
             session,
             tokens,
-            n_logits,
+            logit_rows,
             left,
             arrived: Instant::now(),
             first_pass: None,
@@ -202,7 +202,7 @@ fn run(
             continue;
         }
         let shapes: Vec<Waiting> =
-            waiting.iter().map(|c| Waiting { pending: c.left, tail: c.n_logits }).collect();
+            waiting.iter().map(|c| Waiting { pending: c.left, logit_rows: c.logit_rows }).collect();
         let plan = plan_pass(&shapes, limits);
         let started = Instant::now();
         let mut joined: Vec<usize> = Vec::new();
@@ -214,7 +214,7 @@ fn run(
                 jobs.push(BatchJob {
                     session: call.session.score.as_mut(),
                     tokens: &call.tokens,
-                    n_logits: call.n_logits,
+                    logit_rows: call.logit_rows,
                     rows,
                 });
             }

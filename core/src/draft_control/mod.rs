@@ -73,7 +73,7 @@
 //! - `policy`: the pair of lengths chosen ([`DraftChoice`]).
 //! - `controller`: one generation's [`DraftController`].
 //! - `block_end`: where a block ends ([`BlockEnd`]), from the draft's confidence in its tokens.
-//! - `record`: the speculative loop's per-round log record ([`RoundRecord`]), which the replay example reads.
+//! - `record`: the speculative loop's per-round log record ([`RoundRecord`]).
 
 mod block_end;
 mod controller;

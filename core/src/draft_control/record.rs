@@ -1,6 +1,6 @@
 //! The speculative loop's per-round record ([`RoundRecord`]): how each verify call's block was chosen
 //! and drafted, what came of it, and what the draft-length controller was fed, so a generation's
-//! choices can be replayed from a log (`core/examples/draft_control_replay.rs`).
+//! choices can be explained from a log.
 //!
 //! The log form, written by spade-engine's loop and read back by [`RoundRecord::from_log_line`]: one
 //! `tracing` event per verify call at DEBUG, target [`RoundRecord::LOG_TARGET`], whose one field

@@ -82,11 +82,11 @@ impl Scorer for CandleScorer {
                 if !Arc::ptr_eq(&session.model, &self.model) {
                     return Err(EngineError::InvalidRequest("a session of another model".into()));
                 }
-                let keep = session.begin(job.tokens, job.n_logits)?;
+                let keep = session.begin(job.tokens, job.logit_rows)?;
                 Ok((
                     session,
                     &job.tokens[keep..keep + job.rows],
-                    if finishes { job.n_logits } else { 0 },
+                    if finishes { job.logit_rows } else { 0 },
                 ))
             });
             match step {
@@ -97,12 +97,12 @@ impl Scorer for CandleScorer {
                 Err(e) => results.push(Err(e)),
             }
         }
-        let n_logits: Vec<usize> = joined.iter().map(|j| j.3).collect();
+        let logit_rows: Vec<usize> = joined.iter().map(|j| j.3).collect();
         let mut parts: Vec<Part<'_>> = joined
             .iter_mut()
             .map(|(_, s, new, _)| Part { cache: &mut s.cache, tokens: new })
             .collect();
-        let logits = self.model.forward_batch(&mut parts, &n_logits);
+        let logits = self.model.forward_batch(&mut parts, &logit_rows);
         drop(parts);
         for ((i, session, new, n), logits) in joined.into_iter().zip(logits) {
             session.tokens.extend_from_slice(new);
@@ -125,11 +125,11 @@ pub struct CandleSession {
 
 impl CandleSession {
     /// Checks a scoring request and drops the cached rows past what `tokens` shares with them (and
-    /// the `n_logits` last, which are recomputed for their logits); returns the positions kept.
-    fn begin(&mut self, tokens: &[u32], n_logits: usize) -> Result<usize, EngineError> {
-        if n_logits == 0 || n_logits > tokens.len() {
+    /// the `logit_rows` last, which are recomputed for their logits); returns the positions kept.
+    fn begin(&mut self, tokens: &[u32], logit_rows: usize) -> Result<usize, EngineError> {
+        if logit_rows == 0 || logit_rows > tokens.len() {
             return Err(EngineError::InvalidRequest(format!(
-                "asked for {n_logits} logit rows of a {}-token sequence",
+                "asked for {logit_rows} logit rows of a {}-token sequence",
                 tokens.len()
             )));
         }
@@ -142,16 +142,16 @@ impl CandleSession {
         if let Some(&token) = tokens.iter().find(|&&t| t >= self.meta.vocab_size) {
             return Err(EngineError::TokenOutOfVocab { token, vocab_size: self.meta.vocab_size });
         }
-        let keep = tokens.len() - self.rows_to_score(tokens, n_logits);
+        let keep = tokens.len() - self.rows_to_score(tokens, logit_rows);
         self.truncate(keep);
         Ok(keep)
     }
 }
 
 impl ScoreSession for CandleSession {
-    fn score(&mut self, tokens: &[u32], n_logits: usize) -> Result<Vec<Vec<f32>>, EngineError> {
-        let keep = self.begin(tokens, n_logits)?;
-        let logits = self.model.forward(&mut self.cache, &tokens[keep..], n_logits);
+    fn score(&mut self, tokens: &[u32], logit_rows: usize) -> Result<Vec<Vec<f32>>, EngineError> {
+        let keep = self.begin(tokens, logit_rows)?;
+        let logits = self.model.forward(&mut self.cache, &tokens[keep..], logit_rows);
         self.tokens.extend_from_slice(&tokens[keep..]);
         Ok(logits)
     }

@@ -279,15 +279,20 @@ impl Transformer {
         cache.copy_prefix(len, self.kv_row())
     }
 
-    /// Appends `tokens` at positions `cache.len()..` and returns the logits of the last `n_logits`
-    /// of them, `[n_logits][vocab]`.
-    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], n_logits: usize) -> Vec<Vec<f32>> {
-        in_pool(|| self.forward_here(cache, tokens, n_logits))
+    /// Appends `tokens` at positions `cache.len()..` and returns the logits of the last `logit_rows`
+    /// of them, `[logit_rows][vocab]`.
+    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], logit_rows: usize) -> Vec<Vec<f32>> {
+        in_pool(|| self.forward_here(cache, tokens, logit_rows))
     }
 
-    fn forward_here(&self, cache: &mut KvCache, tokens: &[u32], n_logits: usize) -> Vec<Vec<f32>> {
-        let first_kept = tokens.len() - n_logits;
-        let mut finals: Vec<f32> = Vec::with_capacity(n_logits * self.cfg.hidden);
+    fn forward_here(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        logit_rows: usize,
+    ) -> Vec<Vec<f32>> {
+        let first_kept = tokens.len() - logit_rows;
+        let mut finals: Vec<f32> = Vec::with_capacity(logit_rows * self.cfg.hidden);
         for (c, chunk) in tokens.chunks(CHUNK).enumerate() {
             let hidden = self.forward_rows(&mut [Part { cache: &mut *cache, tokens: chunk }]);
             let skip = first_kept.saturating_sub(c * CHUNK).min(chunk.len());
@@ -297,27 +302,35 @@ impl Transformer {
     }
 
     /// One forward pass over several caches at once: part i appends `tokens` to its cache and gets
-    /// the logits of its last `n_logits[i]` rows. The linear layers run over every part's rows
+    /// the logits of its last `logit_rows[i]` rows. The linear layers run over every part's rows
     /// together (the weights are read once per pass, each block unpacked once per tile of rows),
     /// attention runs per part. Every operation is row-independent, so each part's logits are
     /// bit-identical to [`Self::forward`] on that part alone. The caller bounds the rows (the
     /// verifier's `--max-batch-rows`): unlike `forward`, this does not split them into chunks.
-    pub fn forward_batch(&self, parts: &mut [Part<'_>], n_logits: &[usize]) -> Vec<Vec<Vec<f32>>> {
-        in_pool(|| self.forward_batch_here(parts, n_logits))
+    pub fn forward_batch(
+        &self,
+        parts: &mut [Part<'_>],
+        logit_rows: &[usize],
+    ) -> Vec<Vec<Vec<f32>>> {
+        in_pool(|| self.forward_batch_here(parts, logit_rows))
     }
 
-    fn forward_batch_here(&self, parts: &mut [Part<'_>], n_logits: &[usize]) -> Vec<Vec<Vec<f32>>> {
+    fn forward_batch_here(
+        &self,
+        parts: &mut [Part<'_>],
+        logit_rows: &[usize],
+    ) -> Vec<Vec<Vec<f32>>> {
         let d = self.cfg.hidden;
         let hidden = self.forward_rows(parts);
-        let mut finals: Vec<f32> = Vec::with_capacity(n_logits.iter().sum::<usize>() * d);
+        let mut finals: Vec<f32> = Vec::with_capacity(logit_rows.iter().sum::<usize>() * d);
         let mut row0 = 0;
-        for (part, &n) in parts.iter().zip(n_logits) {
+        for (part, &n) in parts.iter().zip(logit_rows) {
             let end = row0 + part.tokens.len();
             finals.extend_from_slice(&hidden[(end - n) * d..end * d]);
             row0 = end;
         }
         let mut logits = self.logits(&finals).into_iter();
-        n_logits.iter().map(|&n| logits.by_ref().take(n).collect()).collect()
+        logit_rows.iter().map(|&n| logits.by_ref().take(n).collect()).collect()
     }
 
     /// Final norm and output head over `[rows][hidden]`.

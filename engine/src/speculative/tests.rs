@@ -83,7 +83,7 @@ fn params(
     let draft = DraftParams { sampling: SamplingParams::greedy(), ..DraftParams::default() };
     LoopParams {
         max_new_tokens,
-        draft_len: DraftLength::Fixed(draft_len),
+        draft_len: DraftLenSetting::Fixed(draft_len),
         draft_ahead: false,
         draft,
         stop_token_ids: vec![4999],
@@ -275,7 +275,7 @@ impl tracing::Subscriber for Rounds {
     fn exit(&self, _: &tracing::span::Id) {}
 }
 
-/// The replay example reads these records back: one per verify call, with what the loop sent and learnt.
+/// Tools read these records back from a log: one per verify call, with what the loop sent and learnt.
 #[tokio::test]
 async fn every_verify_call_logs_a_record_that_reads_back() {
     let rounds = Rounds::default();
