@@ -38,7 +38,7 @@ pub async fn ready(State(state): State<AppState>) -> impl IntoResponse {
         (Some(target), _) if !target.batcher.is_running() => "scoring_stopped",
         (Some(_), _) => "ready",
         (None, Some(engine)) => {
-            detail = engine.check(4).await;
+            detail = engine.health().await;
             if detail.is_some() {
                 "engine_unavailable"
             } else {

@@ -22,6 +22,11 @@ use crate::error::ApiError;
 const MAX_SESSIONS: usize = 4096;
 /// Tokens compared with the engine's detokenizer at start-up ([`EngineBackend::check`]).
 pub const PROBES: usize = 48;
+/// Probe tokens a `/health` check asks about.
+const HEALTH_PROBES: usize = 4;
+/// How long a `/health` check's answer is reused: probes from every gateway and the orchestrator then
+/// cost the engine a few calls per interval, not a few per probe.
+pub const HEALTH_TTL: Duration = Duration::from_secs(2);
 
 /// How a block's positions are asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +64,9 @@ pub struct EngineBackend {
     calls: EngineCalls,
     probes: Vec<(u32, String)>,
     sessions: Mutex<HashMap<String, (Vec<u32>, Instant)>>,
+    /// The last `/health` check: when, and its answer. Held across a check, so concurrent probes
+    /// wait for one check instead of each making their own.
+    last_health: tokio::sync::Mutex<Option<(Instant, Option<String>)>>,
 }
 
 impl EngineBackend {
@@ -81,6 +89,7 @@ impl EngineBackend {
             calls: config.engine_calls,
             probes,
             sessions: Mutex::default(),
+            last_health: tokio::sync::Mutex::default(),
         })
     }
 
@@ -182,7 +191,8 @@ impl EngineBackend {
     /// Why the engine does not serve `--model`'s vocabulary, or cannot be reached; None when it does:
     /// its detokenizer spells the probe tokens as the GGUF does, and (llama-server) its vocabulary
     /// has as many tokens.
-    /// `probes`: how many of the probe tokens to ask about (all at start-up, a few on `/health`).
+    /// `probes`: how many of the probe tokens to ask about (all at start-up, a few on `/health`:
+    /// [`health`](Self::health)).
     pub async fn check(&self, probes: usize) -> Option<String> {
         if self.kind == EngineKind::Sglang {
             // SGLang's native API has no detokenizer to ask; its generate call is the check.
@@ -223,6 +233,18 @@ impl EngineBackend {
             }
         }
         None
+    }
+
+    /// [`check`](Self::check) with a few probe tokens, for `/health`; an answer younger than
+    /// [`HEALTH_TTL`] is reused.
+    pub async fn health(&self) -> Option<String> {
+        let mut last = self.last_health.lock().await;
+        if let Some((_, answer)) = last.as_ref().filter(|(at, _)| at.elapsed() < HEALTH_TTL) {
+            return answer.clone();
+        }
+        let answer = self.check(HEALTH_PROBES).await;
+        *last = Some((Instant::now(), answer.clone()));
+        answer
     }
 
     /// The most tokens one prompt may hold on the engine (llama-server's per-slot `n_ctx`, vLLM's
