@@ -169,15 +169,16 @@ pub fn position_seed(seed: u64, position: u64) -> u32 {
 /// The match rule: the target's own tokens y_0..y_d after the context and each drafted prefix
 /// (its argmax under greedy decoding, its samples otherwise). Commit y_0, and y_i while
 /// y_{i-1} = x_i: each committed token is then the target's own choice given exactly the committed
-/// prefix. `target_tokens` has d+1 entries.
+/// prefix. `target_tokens` has d+1 entries, or fewer when asked for one at a time: y_0..y_k
+/// suffices where y_k is the first that differs from its draft.
 pub fn verify_match(target_tokens: &[u32], drafts: &[u32]) -> Result<BlockOutcome, VerifyError> {
-    if target_tokens.len() != drafts.len() + 1 {
+    let accepted = drafts.iter().zip(target_tokens).take_while(|(d, t)| d == t).count();
+    if target_tokens.len() > drafts.len() + 1 || accepted == target_tokens.len() {
         return Err(VerifyError::LengthMismatch {
             expected: drafts.len() + 1,
             got: target_tokens.len(),
         });
     }
-    let accepted = drafts.iter().zip(target_tokens).take_while(|(d, t)| d == t).count();
     let next_kind = if accepted == drafts.len() { NextKind::Bonus } else { NextKind::Correction };
     Ok(BlockOutcome { accepted, next_token: target_tokens[accepted], next_kind })
 }

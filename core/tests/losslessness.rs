@@ -5,7 +5,9 @@
 use proptest::prelude::*;
 use rand::Rng;
 use spade_core::rng::{rng_for, Stream};
-use spade_core::{target_samples, verify_block, verify_match, DraftToken, NextKind, SparseDist};
+use spade_core::{
+    target_samples, verify_block, verify_match, BlockOutcome, DraftToken, NextKind, SparseDist,
+};
 
 const TRIALS: u64 = 120_000;
 
@@ -199,6 +201,16 @@ fn malformed_blocks_are_typed_errors() {
     assert_eq!(
         verify_match(&[1, 2], &[]),
         Err(VerifyError::LengthMismatch { expected: 1, got: 2 })
+    );
+    // Asked one position at a time, the target's tokens stop at the first that differs; where they
+    // stop short of it, a token is missing.
+    let outcome =
+        |accepted, next_token, next_kind| BlockOutcome { accepted, next_token, next_kind };
+    assert_eq!(verify_match(&[4, 9], &[4, 5, 6]), Ok(outcome(1, 9, NextKind::Correction)));
+    assert_eq!(verify_match(&[4, 5, 6, 7], &[4, 5, 6]), Ok(outcome(3, 7, NextKind::Bonus)));
+    assert_eq!(
+        verify_match(&[4, 5], &[4, 5, 6]),
+        Err(VerifyError::LengthMismatch { expected: 4, got: 2 })
     );
 }
 

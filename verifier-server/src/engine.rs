@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use spade_core::serving_engine::{probe_tokens, EngineKind};
-use spade_core::{position_seed, verify_match, BlockOutcome, NextKind, SamplingParams};
+use spade_core::{position_seed, verify_match, BlockOutcome, SamplingParams};
 use spade_engine::ModelMeta;
 
 use crate::config::Config;
@@ -157,17 +157,7 @@ impl EngineBackend {
                     _ => break,
                 }
             }
-            let matched = &drafts[..tokens.len() - 1];
-            return verify_match(&tokens, matched)
-                .map(|o| BlockOutcome {
-                    next_kind: if o.accepted == drafts.len() {
-                        o.next_kind
-                    } else {
-                        NextKind::Correction
-                    },
-                    ..o
-                })
-                .map_err(|e| ApiError::Engine(e.to_string()));
+            return verify_match(&tokens, drafts).map_err(|e| ApiError::Engine(e.to_string()));
         }
         let prompts: Vec<Vec<u32>> = (0..=drafts.len())
             .map(|i| context.iter().chain(&drafts[..i]).copied().collect())
