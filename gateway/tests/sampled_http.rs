@@ -1,6 +1,7 @@
 //! What users run is lossless under sampling: the real gateway and verifier binaries over HTTP, the
 //! first drafted position's committed token distributed exactly as the target's p (chi-square, fixed
-//! seeds). The in-process twin is engine/tests/sampled_loop.rs.
+//! seeds), and under `--rule match` a seeded answer independent of the draft length. The in-process
+//! twin is engine/tests/sampled_loop.rs.
 //!
 //! Token 1 comes from the empty first block (the verifier alone); token 2 is the first position of a
 //! drafted block (4 tokens are asked for, so the budget leaves room for drafts): an accepted draft or a correction. Conditioned on token 1 being its most likely value,
@@ -86,4 +87,38 @@ async fn sampled_tokens_over_http_follow_the_targets_distribution() {
         "both acceptances and rejections should occur: {accepted} of {drafted}"
     );
     assert!(stat < chi_square_critical(df), "token 2 is not distributed as the target's p: chi-square {stat:.1}; counts {counts:?}; p {:?}", p2.entries());
+}
+
+/// Under `--rule match` a seeded sampled answer does not depend on what was drafted: every
+/// committed token is the target's own draw keyed by (seed, position). The real binaries give the
+/// same answer at draft length 0 (target-only sampling through the verifier), 2, 4 and `auto`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeded_answer_under_the_match_rule_is_the_same_at_every_draft_length() {
+    let verifier = start_verifier_on(0, &["--rule", "match"]).await;
+    let gateway = start_gateway(&verifier.url, &[]).await;
+    let (mut drafted, mut accepted, mut rejected) = (0, 0, 0);
+    let mut by_seed = std::collections::BTreeSet::new();
+    for seed in 0..4 {
+        let mut answers = Vec::new();
+        for draft_len in [json!(0), json!(2), json!(4), json!("auto")] {
+            let extra =
+                json!({"temperature": 0.8, "seed": seed, "spade": {"draft_len": draft_len}});
+            let v = complete(&gateway.url, &request("Write a short poem about rivers.", 24, extra))
+                .await;
+            assert_eq!(v["usage"]["spade"]["rule"], "match", "{v}");
+            let spade = &v["usage"]["spade"];
+            let (d, a) =
+                (spade["drafted"].as_u64().unwrap(), spade["draft_accepted"].as_u64().unwrap());
+            (drafted, accepted, rejected) = (drafted + d, accepted + a, rejected + d - a);
+            answers.push(content(&v).to_string());
+        }
+        assert!(answers.iter().all(|a| *a == answers[0]), "seed {seed}: {answers:?}");
+        by_seed.insert(answers.swap_remove(0));
+    }
+    assert!(by_seed.len() > 1, "the seeds should sample different answers: {by_seed:?}");
+    println!("{accepted} of {drafted} drafts accepted");
+    assert!(
+        accepted > 0 && rejected > 0,
+        "drafts must be both kept and rejected: {accepted} of {drafted}"
+    );
 }
