@@ -32,8 +32,7 @@ use crate::plan::{turns, Batch, Kind, Mode, Plan, GATEWAY_START_S, VERIFIER_STAR
 use crate::prom::{Scrape, VerifierCounters};
 use crate::stack::{free_port, Ready, Server};
 use crate::summary::{BatchResult, DriftSwitch, Record};
-use spade_delay_proxy::LinkConfig;
-use spade_delay_proxy::{spawn_proxy, ProxyHandle};
+use spade_delay_proxy::{spawn_proxy, LinkConfig, ProxyHandle};
 
 /// Where the servers and models are, and the link's extras.
 #[derive(Debug, Clone)]

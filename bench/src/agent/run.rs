@@ -27,8 +27,7 @@ use super::{AgentMode, AgentPlan, TurnRecord};
 use crate::machine::cpu_seconds;
 use crate::pinning::{cpus_of, Pinning};
 use crate::stack::{free_port, Ready, Server};
-use spade_delay_proxy::LinkConfig;
-use spade_delay_proxy::{spawn_proxy, ProxyHandle};
+use spade_delay_proxy::{spawn_proxy, LinkConfig, ProxyHandle};
 
 /// The API key the benchmark's verifiers are started with (loopback only).
 const VERIFIER_KEY: &str = "spade-agent-bench";
