@@ -9,9 +9,16 @@
 //!
 //! A proposal is verified like any block, with q a point mass on each token: the speculative rule
 //! accepts token x with probability p(x) and resamples a rejection from p without x, so the output
-//! is still the target's (docs/design.md). A source whose proposal was rejected at once is not
-//! asked again for a few rounds (doubling while it keeps failing), so a source with nothing to offer
-//! costs no more than its first miss.
+//! is still the target's (docs/design.md).
+//!
+//! Whether a proposal is sent, and how much of it, is the draft-length controller's call
+//! (`DraftController::copied_block`), from what each source is expected to commit
+//! ([`Proposer::expected_tokens`]). Every round's proposals are compared with what the round then
+//! committed, sent or not ([`Proposer::observe`]): a committed token is the target's draw, which
+//! equals a copied token `x` with probability p(x), the chance the rule would have accepted `x`. So
+//! a source learns its odds for free while it is not sent, and one with nothing to offer costs nothing.
+
+use crate::draft_control::Rate;
 
 /// Where a proposal came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,49 +34,56 @@ pub struct Proposal {
     pub source: Source,
 }
 
+impl Proposal {
+    /// Its first `len` tokens.
+    pub fn first(&self, len: usize) -> Self {
+        Self { tokens: self.tokens[..len.min(self.tokens.len())].to_vec(), source: self.source }
+    }
+}
+
 /// N-gram lengths tried, longest first: a prediction re-aligns on two tokens, the prompt is
 /// trusted on three (shorter matches in code are mostly coincidences).
 const PREDICTION_NGRAM: (usize, usize) = (2, 8);
 const LOOKUP_NGRAM: (usize, usize) = (3, 8);
-/// The shortest block a source is asked for after a miss.
-const MIN_BLOCK: usize = 4;
-/// Rounds a failing source sits out at most.
-const MAX_PAUSE: u32 = 16;
+/// Weight of a new outcome of a token after a proposal's first (a memory of ~50 tokens, a few
+/// blocks): a block brings up to its length in outcomes, and one block must not decide the next.
+const REST_GAIN: f64 = 0.02;
 
-/// One source's state: how long a block it is asked for, and whether it sits out this round.
+/// A source's acceptance by position: its first token (the match may be a coincidence), and each
+/// token after an accepted one (the text, once aligned, tends to go on repeating).
 #[derive(Debug, Clone, Copy)]
-struct Gate {
-    len: usize,
-    pause: u32,
-    skip: u32,
+struct Odds {
+    first: Rate,
+    rest: Rate,
 }
 
-impl Gate {
-    fn new(len: usize) -> Self {
-        Self { len, pause: 1, skip: 0 }
+impl Odds {
+    const fn prior(first: f64, rest: f64) -> Self {
+        Self { first: Rate::prior(first), rest: Rate::prior(rest) }
     }
 
-    fn open(&mut self) -> bool {
-        if self.skip > 0 {
-            self.skip -= 1;
-            return false;
-        }
-        true
+    /// `E(k)` for `k` in `1..=len`: the tokens a block of the first `k` commits on average (the
+    /// accepted ones and the one the verifier adds).
+    fn expected_tokens(&self, len: usize) -> Vec<f64> {
+        let (mut sum, mut all_accepted) = (1.0, self.first.value);
+        (0..len)
+            .map(|_| {
+                sum += all_accepted;
+                all_accepted *= self.rest.value;
+                sum
+            })
+            .collect()
     }
 
-    /// A block of `proposed` tokens had its first `accepted` accepted.
-    fn observe(&mut self, proposed: usize, accepted: usize, cap: usize) {
-        if accepted == 0 {
-            self.skip = self.pause;
-            self.pause = (self.pause * 2).min(MAX_PAUSE);
-        } else {
-            self.pause = 1;
+    /// A proposal whose first `matched` of `compared` tokens were the committed ones.
+    fn observe(&mut self, matched: usize, compared: usize) {
+        if compared == 0 {
+            return;
         }
-        self.len = if accepted == proposed {
-            (self.len * 2).min(cap)
-        } else {
-            (2 * (accepted + 1)).clamp(MIN_BLOCK, cap.max(MIN_BLOCK))
-        };
+        self.first.learn(f64::from(u8::from(matched > 0)));
+        for position in 1..compared.min(matched + 1) {
+            self.rest.learn_at(f64::from(u8::from(position < matched)), REST_GAIN);
+        }
     }
 }
 
@@ -80,7 +94,8 @@ pub struct Proposer {
     lookup: bool,
     /// Longest block (the verifier's limit).
     cap: usize,
-    gates: [Gate; 2],
+    /// By [`Source`]: a prediction is usually right once aligned; a lookup's first token is a guess.
+    odds: [Odds; 2],
     /// Where the last prediction block started: the answer reads the prediction in order.
     read: usize,
 }
@@ -89,9 +104,8 @@ impl Proposer {
     /// `prediction`: the expected answer's tokens (may be empty); `lookup`: also look in the prompt
     /// and the answer; `cap`: the longest block the verifier takes.
     pub fn new(prediction: Vec<u32>, lookup: bool, cap: usize) -> Self {
-        let cap = cap.max(1);
-        let gates = [Gate::new(cap), Gate::new(MIN_BLOCK.min(cap))];
-        Self { prediction, lookup, cap, gates, read: 0 }
+        let odds = [Odds::prior(0.9, 0.95), Odds::prior(0.5, 0.9)];
+        Self { prediction, lookup, cap: cap.max(1), odds, read: 0 }
     }
 
     /// Tokens in the prediction.
@@ -104,15 +118,16 @@ impl Proposer {
         !self.prediction.is_empty() || self.lookup
     }
 
-    /// A block for the round after `seq` (the prompt's `prompt_len` tokens, then the answer so
-    /// far), at most `max_len` tokens; None where no source has one.
-    pub fn propose(&mut self, seq: &[u32], prompt_len: usize, max_len: usize) -> Option<Proposal> {
-        if max_len == 0 {
-            return None;
+    /// Each source's block for the round after `seq` (the prompt's `prompt_len` tokens, then the
+    /// answer so far), at most `max_len` tokens (and the verifier's cap); empty where none has one.
+    pub fn propose(&mut self, seq: &[u32], prompt_len: usize, max_len: usize) -> Vec<Proposal> {
+        let len = max_len.min(self.cap);
+        let mut proposals = Vec::new();
+        if len == 0 {
+            return proposals;
         }
         let answer = &seq[prompt_len.min(seq.len())..];
-        if !self.prediction.is_empty() && self.gates[0].open() {
-            let len = self.gates[0].len.min(max_len);
+        if !self.prediction.is_empty() {
             let from = match answer {
                 [] => Some(0),
                 _ => continuation(&self.prediction, answer, PREDICTION_NGRAM, Some(self.read)),
@@ -121,25 +136,31 @@ impl Proposer {
                 self.read = from;
                 let tokens =
                     self.prediction[from..(from + len).min(self.prediction.len())].to_vec();
-                return Some(Proposal { tokens, source: Source::Prediction });
+                proposals.push(Proposal { tokens, source: Source::Prediction });
             }
         }
-        if self.lookup && !answer.is_empty() && self.gates[1].open() {
-            let len = self.gates[1].len.min(max_len);
+        if self.lookup && !answer.is_empty() {
             // Everything before the answer's last token, so the tail cannot match itself.
             let context = &seq[..seq.len() - 1];
             if let Some(from) = continuation(context, seq, LOOKUP_NGRAM, None) {
                 let tokens = context[from..(from + len).min(context.len())].to_vec();
-                return Some(Proposal { tokens, source: Source::Lookup });
+                proposals.push(Proposal { tokens, source: Source::Lookup });
             }
         }
-        None
+        proposals
     }
 
-    /// How the proposal fared: its first `accepted` tokens were accepted.
-    pub fn observe(&mut self, proposal: &Proposal, accepted: usize) {
-        let gate = &mut self.gates[proposal.source as usize];
-        gate.observe(proposal.tokens.len(), accepted, self.cap);
+    /// `E(k)` for `k` in `1..=proposal.tokens.len()`: what sending the proposal's first `k` tokens
+    /// commits on average, by its source's odds.
+    pub fn expected_tokens(&self, proposal: &Proposal) -> Vec<f64> {
+        self.odds[proposal.source as usize].expected_tokens(proposal.tokens.len())
+    }
+
+    /// Learns from the tokens committed after `proposal` was made, whether it was sent or not.
+    pub fn observe(&mut self, proposal: &Proposal, committed: &[u32]) {
+        let compared = proposal.tokens.len().min(committed.len());
+        let matched = proposal.tokens.iter().zip(committed).take_while(|(p, c)| p == c).count();
+        self.odds[proposal.source as usize].observe(matched, compared);
     }
 }
 
@@ -181,16 +202,17 @@ mod tests {
         let prediction: Vec<u32> = (100..140).collect();
         let mut p = Proposer::new(prediction, false, 8);
         let prompt = [1, 2, 3];
-        let first = p.propose(&prompt, 3, 32).unwrap();
-        assert_eq!((first.tokens, first.source), ((100..108).collect(), Source::Prediction));
+        let first = p.propose(&prompt, 3, 32);
+        let want = Proposal { tokens: (100..108).collect(), source: Source::Prediction };
+        assert_eq!(first, [want]);
         // The answer added a token (7) after 104, then went on with 105, 106: resume after 106.
         let seq = [1, 2, 3, 100, 101, 102, 103, 104, 7, 105, 106];
-        assert_eq!(p.propose(&seq, 3, 32).unwrap().tokens, (107..115).collect::<Vec<_>>());
+        assert_eq!(p.propose(&seq, 3, 32)[0].tokens, (107..115).collect::<Vec<_>>());
         // It skipped 107..=119 and went on with 120, 121: resume after 121.
         let seq = [1, 2, 3, 100, 101, 120, 121];
-        assert_eq!(p.propose(&seq, 3, 3).unwrap().tokens, [122, 123, 124]);
+        assert_eq!(p.propose(&seq, 3, 3)[0].tokens, [122, 123, 124]);
         // Nowhere in the prediction: nothing.
-        assert_eq!(p.propose(&[1, 2, 3, 9, 9], 3, 8), None);
+        assert_eq!(p.propose(&[1, 2, 3, 9, 9], 3, 8), []);
     }
 
     #[test]
@@ -198,33 +220,46 @@ mod tests {
         let mut p = Proposer::new(Vec::new(), true, 16);
         let prompt = [5, 6, 7, 8, 9, 10, 11, 12];
         let seq = [&prompt[..], &[1, 6, 7, 8]].concat();
-        let proposal = p.propose(&seq, prompt.len(), 16).unwrap();
-        // Asked for its first-block length (4), after the 3-gram 6 7 8.
-        assert_eq!((proposal.tokens, proposal.source), (vec![9, 10, 11, 12], Source::Lookup));
+        // After the 3-gram 6 7 8, on to the context's end (the answer's tokens but its last).
+        let want = Proposal { tokens: vec![9, 10, 11, 12, 1, 6, 7], source: Source::Lookup };
+        assert_eq!(p.propose(&seq, prompt.len(), 16), std::slice::from_ref(&want));
+        assert_eq!(want.first(2).tokens, [9, 10]);
         // Two tokens are too few to trust.
         let seq = [&prompt[..], &[1, 7, 8]].concat();
-        assert_eq!(p.propose(&seq, prompt.len(), 16), None);
+        assert_eq!(p.propose(&seq, prompt.len(), 16), []);
         assert!(!Proposer::new(Vec::new(), false, 16).is_active());
     }
 
     #[test]
-    fn a_failing_source_sits_out_longer_each_time_and_block_lengths_follow_acceptance() {
-        let mut p = Proposer::new(Vec::new(), true, 32);
-        let seq = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 1, 6, 7, 8];
-        let proposal = p.propose(&seq, 15, 32).unwrap();
-        p.observe(&proposal, 0);
-        // Sits out one round, then is asked again; after a second miss, two rounds.
-        assert_eq!(p.propose(&seq, 15, 32), None);
-        let proposal = p.propose(&seq, 15, 32).unwrap();
-        p.observe(&proposal, 0);
-        assert_eq!((p.propose(&seq, 15, 32), p.propose(&seq, 15, 32)), (None, None));
-        let proposal = p.propose(&seq, 15, 32).unwrap();
-        assert_eq!(proposal.tokens.len(), 4);
-        // All accepted: twice as long next time (up to what follows).
-        p.observe(&proposal, 4);
-        assert_eq!(p.propose(&seq, 15, 32).unwrap().tokens.len(), 8);
-        // Partly accepted: twice what was accepted, plus the correction.
-        p.observe(&proposal, 3);
-        assert_eq!(p.gates[1].len, 8);
+    fn both_sources_propose_when_both_have_a_continuation() {
+        let mut p = Proposer::new(vec![9, 10, 50, 51], true, 16);
+        let prompt = [5, 6, 7, 8, 9, 10, 11, 12];
+        let seq = [&prompt[..], &[7, 8, 9, 10]].concat();
+        let sources: Vec<Source> =
+            p.propose(&seq, prompt.len(), 16).iter().map(|p| p.source).collect();
+        assert_eq!(sources, [Source::Prediction, Source::Lookup]);
+    }
+
+    #[test]
+    fn expected_tokens_follow_the_odds_and_learn_from_what_was_committed() {
+        let odds = Odds::prior(0.5, 0.8);
+        let e = odds.expected_tokens(3);
+        let want = [1.5, 1.5 + 0.4, 1.5 + 0.4 + 0.32];
+        assert!(e.iter().zip(want).all(|(x, w)| (x - w).abs() < 1e-12), "{e:?}");
+        let mut p = Proposer::new(Vec::new(), true, 16);
+        let proposal = Proposal { tokens: vec![1, 2, 3, 4], source: Source::Lookup };
+        let before = p.expected_tokens(&proposal);
+        // Committed 1 2 3 then something else: a rejection at the fourth token; first accepted.
+        p.observe(&proposal, &[1, 2, 3, 9, 9]);
+        let odds = p.odds[Source::Lookup as usize];
+        assert!(odds.first.value > 0.5 && odds.first.outcomes == 1 && odds.rest.outcomes == 3);
+        assert!(p.expected_tokens(&proposal)[0] > before[0]);
+        // A first token that was not committed lowers the first odds and teaches nothing after it.
+        p.observe(&proposal, &[7]);
+        let odds = p.odds[Source::Lookup as usize];
+        assert!(odds.first.outcomes == 2 && odds.rest.outcomes == 3);
+        // Nothing committed (the round failed): nothing learnt.
+        p.observe(&proposal, &[]);
+        assert_eq!(p.odds[Source::Lookup as usize].first.outcomes, 2);
     }
 }

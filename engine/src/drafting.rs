@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use spade_core::draft_control::{
-    BlockEnd, BlockKind, BlockOdds, DraftChoice, DraftController, Estimates, RoundObservation,
+    BlockEnd, BlockKind, BlockOdds, CopiedBlock, DraftChoice, DraftController, Estimates,
+    RoundObservation,
 };
 use spade_core::openai::DraftLen;
 use spade_core::DraftToken;
@@ -88,6 +89,20 @@ impl Pacing {
                 }))
             }
             _ => None,
+        }
+    }
+
+    /// How much of a copied block to send instead of the draft model's ([`DraftController::copied_block`]
+    /// under `auto`). A fixed length has no cost model: the whole block is sent while its first token is
+    /// expected to be accepted at least half the time; a length of 0 sends none.
+    pub fn copied_block(&self, expected: &[f64], ahead_ready: bool) -> Option<CopiedBlock> {
+        match self {
+            Self::Fixed(0) => None,
+            Self::Fixed(_) => expected
+                .first()
+                .filter(|&&e| e >= 1.5)
+                .map(|&e| CopiedBlock { len: expected.len(), worth: e }),
+            Self::Auto { controller, .. } => controller.copied_block(expected, ahead_ready),
         }
     }
 

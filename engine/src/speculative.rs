@@ -151,11 +151,11 @@ pub enum LoopError {
 }
 
 /// What a round of a copied block came to: None where the verifier was unreachable and the loop
-/// goes on with the draft model alone, else the drafts accepted and whether the generation ended.
+/// goes on with the draft model alone, else whether the generation ended.
 struct ProposalRound {
     latency: Duration,
     verifier_time: Option<Duration>,
-    outcome: Option<(usize, Option<Finish>)>,
+    outcome: Option<Option<Finish>>,
 }
 
 #[derive(Debug, Clone)]
@@ -194,6 +194,8 @@ pub async fn run(
     let mut ahead_processed_prompt = false;
     let mut first = true;
     let mut proposer = params.proposer.clone().filter(Proposer::is_active);
+    // The last round's proposals, and where the tokens its round committed start.
+    let (mut proposed, mut proposed_at) = (Vec::<Proposal>::new(), prompt.len());
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
         let drafter = match (drafter, drafting) {
@@ -205,14 +207,28 @@ pub async fn run(
             }
             (_, drafter) => drafter,
         };
-        // A block copied from the prediction or the context costs no drafting: send it instead.
+        // A block copied from the prediction or the context costs no drafting: send it where the
+        // cost model says it beats the draft model's round. Every proposal learns from what its round
+        // commits, whether it was sent or not.
         if let Some(proposer) = proposer.as_mut() {
-            if let Some(proposal) = proposer.propose(&state.seq, prompt.len(), remaining - 1) {
+            for proposal in &proposed {
+                proposer.observe(proposal, &state.seq[proposed_at..]);
+            }
+            proposed = proposer.propose(&state.seq, prompt.len(), remaining - 1);
+            proposed_at = state.seq.len();
+            let best = proposed
+                .iter()
+                .filter_map(|p| {
+                    let expected = proposer.expected_tokens(p);
+                    pacing.copied_block(&expected, ahead.is_some()).map(|b| (p, b))
+                })
+                .max_by(|(_, a), (_, b)| a.worth.total_cmp(&b.worth));
+            if let Some((proposal, block)) = best {
+                let proposal = proposal.first(block.len);
                 ahead = None;
                 let first_call = std::mem::replace(&mut first, false);
                 let round = state.proposal_round(verifier, drafter, &proposal, first_call).await?;
-                let Some((accepted, finish)) = round.outcome else { continue };
-                proposer.observe(&proposal, accepted);
+                let Some(finish) = round.outcome else { continue };
                 if let (false, Some(verifier_time)) = (first_call, round.verifier_time) {
                     pacing.observe_link(round.latency, verifier_time);
                 }
@@ -466,7 +482,7 @@ impl Loop<'_> {
         *proposed += drafts.len();
         *accepted += verified.accepted;
         let finish = self.commit_all(&verified.committed, &verified.logprobs).await?;
-        round.outcome = Some((verified.accepted, finish));
+        round.outcome = Some(finish);
         Ok(round)
     }
 

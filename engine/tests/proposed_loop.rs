@@ -98,11 +98,12 @@ async fn sampled_first_token_under_a_prediction_follows_p() {
     let mut proposed = 0;
     for seed in 0..SAMPLES {
         let proposer = Proposer::new(vec![predicted, predicted], false, 8);
+        // No draft model; a fixed length of 1 (0 would send no copies either) sends the prediction.
         let run = generate_proposing(
             None,
             session.as_mut(),
             &prompt,
-            &params(2, 0, sampling, seed),
+            &params(2, 1, sampling, seed),
             Some(proposer),
         )
         .await

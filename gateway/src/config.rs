@@ -55,8 +55,9 @@ pub struct Config {
     pub draft_len: DraftLen,
 
     /// Propose blocks copied from the prompt or the answer where the answer's last tokens occur
-    /// there before (prompt lookup): free to draft, verified like the draft model's, up to the
-    /// verifier's --max-draft tokens. Requests may turn it off (`spade.lookup`).
+    /// there before (prompt lookup): free to draft, verified like the draft model's, sent where
+    /// the round-time model says a copy beats the draft model's block, up to the verifier's
+    /// --max-draft tokens. Requests may turn it off (`spade.lookup`).
     #[arg(long, env = "SPADE_GATEWAY_PROMPT_LOOKUP", default_value_t = true, action = clap::ArgAction::Set)]
     pub prompt_lookup: bool,
 

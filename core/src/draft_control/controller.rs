@@ -6,7 +6,8 @@ use std::time::Duration;
 use super::block_end::BlockEnd;
 use super::estimates::{Estimates, RoundObservation};
 use super::policy::DraftChoice;
-use super::round_model::{BlockKind, Policy};
+use super::round_model::{BlockKind, Policy, MIN_ROUND_S};
+use super::MAX_POSITIONS;
 
 /// Rounds of length 0 per probe (see the `draft_control` docs): each probe drafts while the verifier computes, which
 /// costs nothing on separate machines but slows a verifier sharing the host's memory by a few percent.
@@ -15,6 +16,14 @@ const PROBE_EVERY: u32 = 4;
 /// gateway's acceptance is its prior (0.7), which at a low RTT chooses 0, and probing only every
 /// [`PROBE_EVERY`]th round kept a text the draft predicts well at 0 for a dozen rounds.
 const LEARNING_OUTCOMES: u32 = 4;
+
+/// How much of a copied block to send ([`DraftController::copied_block`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CopiedBlock {
+    pub len: usize,
+    /// What its round is worth over the draft model's, in tokens.
+    pub worth: f64,
+}
 
 /// One generation's draft-length controller: call [`choose`](Self::choose) before each block,
 /// [`keep_drafting`](Self::keep_drafting) after each drafted token, [`observe`](Self::observe) after the call.
@@ -80,6 +89,25 @@ impl DraftController {
         self.choice =
             view.choice_of(&self.policy, kind, self.max_draft, self.estimates.acceptance());
         self.choice.draft
+    }
+
+    /// A copied block ([`crate::lookup`]: no drafting, so its round is its call, `rtt + V(k + 1)`)
+    /// weighed against the draft model's next round. `expected[k - 1]` is what sending its first `k`
+    /// tokens commits on average. Its length is the one whose round commits the most per second; it
+    /// is sent when that round is worth more than the model's next one at the chosen lengths' rate:
+    /// its tokens less its time at that rate, against 0 for a block drafted after a miss (the state a
+    /// copied round leaves the loop in), or a block drafted ahead's worth when one is `ahead_ready`.
+    /// None: the model's round is worth more.
+    pub fn copied_block(&self, expected: &[f64], ahead_ready: bool) -> Option<CopiedBlock> {
+        let e = &self.estimates;
+        let time = |k: usize| (e.rtt_s + e.verify_time(k + 1)).max(MIN_ROUND_S);
+        let (len, tokens) =
+            (1..=expected.len().min(MAX_POSITIONS))
+                .map(|k| (k, expected[k - 1]))
+                .max_by(|(a, ea), (b, eb)| (ea / time(*a)).total_cmp(&(eb / time(*b))))?;
+        let worth = tokens - self.policy.rate * time(len);
+        let model = if ahead_ready { self.policy.ahead_worth } else { 0.0 };
+        (worth > model).then_some(CopiedBlock { len, worth: worth - model })
     }
 
     /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
@@ -270,5 +298,34 @@ mod tests {
         // The absurd latency was ignored and the last sample (latency < verifier time) clamped at 0; the first
         // sample replaces the 10 ms prior.
         assert!(close(e.rtt_s, 0.0) && close(e.t_draft_s, 0.030), "{:?}", (e.rtt_s, e.t_draft_s));
+    }
+
+    /// `E(k)` of a copied block whose tokens are each accepted with `alpha` (after the ones before).
+    fn copied(alpha: f64, len: usize) -> Vec<f64> {
+        (1..=len).map(|k| (0..=k).map(|j| alpha.powi(j as i32)).sum()).collect()
+    }
+
+    #[test]
+    fn a_copied_block_is_sent_where_it_beats_the_model_and_as_long_as_its_rate_is_highest() {
+        // Draft acceptance 0.7, 30 ms steps, 50 ms RTT, V = 80 ms + 8 ms a row.
+        let c = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 80.0, 8.0));
+        // A text that repeats (0.98 a token): sent, and longer than the model's drafts.
+        let sure = c.copied_block(&copied(0.98, 32), false).unwrap();
+        assert!(sure.len > 8 && sure.worth > 0.0, "{sure:?}");
+        // Its length maximises tokens per second of its own round.
+        let e = &c.estimates;
+        let rate = |k: usize| copied(0.98, 32)[k - 1] / (e.rtt_s + e.verify_time(k + 1));
+        assert!((1..=32).all(|k| rate(k) <= rate(sure.len)));
+        // A guess right a third of the time is worth less than the model's round.
+        assert_eq!(c.copied_block(&copied(0.33, 32), false), None);
+        // Nothing to send: nothing.
+        assert_eq!(c.copied_block(&[], false), None);
+        // A block drafted ahead and ready raises the bar by its worth.
+        let ready = c.copied_block(&copied(0.98, 32), true);
+        assert!(c.policy.ahead_worth > 0.0);
+        assert!(ready.is_none_or(|r| close(r.worth, sure.worth - c.policy.ahead_worth)));
+        // Where verify rows are cheap (a GPU), the block runs to what the source has.
+        let gpu = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 20.0, 0.1));
+        assert_eq!(gpu.copied_block(&copied(0.98, 32), false).unwrap().len, 32);
     }
 }

@@ -130,13 +130,13 @@ impl Default for Estimates {
 /// [`PRIOR_OUTCOMES`]), then an exponentially weighted one (gain [`ACCEPT_GAIN`], or the gain given).
 #[derive(Clone, Copy, Debug, Serialize)]
 #[serde(into = "f64")]
-pub(super) struct Rate {
-    pub(super) value: f64,
-    pub(super) outcomes: u32,
+pub(crate) struct Rate {
+    pub(crate) value: f64,
+    pub(crate) outcomes: u32,
 }
 
 impl Rate {
-    pub(super) const fn prior(value: f64) -> Self {
+    pub(crate) const fn prior(value: f64) -> Self {
         Self { value, outcomes: 0 }
     }
 
@@ -145,11 +145,11 @@ impl Rate {
         Self { outcomes: self.outcomes.min(SEED_OUTCOMES), ..self }
     }
 
-    fn learn(&mut self, outcome: f64) {
+    pub(crate) fn learn(&mut self, outcome: f64) {
         self.learn_at(outcome, ACCEPT_GAIN);
     }
 
-    fn learn_at(&mut self, outcome: f64, gain: f64) {
+    pub(crate) fn learn_at(&mut self, outcome: f64, gain: f64) {
         let gain = (1.0 / (f64::from(self.outcomes) + 1.0 + PRIOR_OUTCOMES)).max(gain);
         self.outcomes = self.outcomes.saturating_add(1);
         ew(&mut self.value, outcome, gain);

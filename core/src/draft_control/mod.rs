@@ -86,7 +86,8 @@ mod testing;
 mod verify_time;
 
 pub use block_end::{BlockEnd, BlockOdds};
-pub use controller::DraftController;
+pub use controller::{CopiedBlock, DraftController};
+pub(crate) use estimates::Rate;
 pub use estimates::{Estimates, RoundObservation};
 pub use policy::DraftChoice;
 pub use record::RoundRecord;

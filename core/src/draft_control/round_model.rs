@@ -5,7 +5,7 @@ use super::estimates::Estimates;
 use super::MAX_POSITIONS;
 
 /// Floor of a modelled round time, so rates stay finite when every cost is estimated at zero.
-const MIN_ROUND_S: f64 = 1e-6;
+pub(super) const MIN_ROUND_S: f64 = 1e-6;
 
 impl Estimates {
     /// `E(d)`: expected tokens committed by a round that drafts `d`.
