@@ -12,7 +12,8 @@ spade-delay-proxy at the RTT. Modes, all greedy, every output compared with targ
   lookup        --draft-len auto                          (prompt lookup on: today's default)
   prediction    lookup, and the request's `prediction` = the original file
 
-(a) edit: bench/plot.py in the prompt, asked back whole with one function renamed, with and without
+(a) edit: a source file in the prompt (delay-proxy/src/link.rs, 167 lines, unless --edit-file and
+--rename say otherwise), asked back whole with one function renamed, with and without
 `prediction`; (b) the same without it is the lookup mode; (c) fill-in-the-middle at random cut
 points of this repository's Python and Rust files (/v1/completions with suffix, 32 tokens), in
 target-only, default and lookup. Modes take turns request by request, so the compared modes are
@@ -34,7 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(os.environ.get("CARGO_TARGET_DIR", Path.home() / ".cache/spade/target")) / "debug"
 DRAFT = ROOT / "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 TARGET = ROOT / "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-EDITED = ROOT / "bench/plot.py"
 MODES = {
     "target-only": ["--draft-len", "0"],
     "default": ["--draft-len", "auto", "--prompt-lookup", "false"],
@@ -85,13 +85,15 @@ def post(port, path, body):
     return answer, time.monotonic() - started
 
 
-def edit_request(with_prediction):
-    source = EDITED.read_text()
-    ask = (f"Rename the function draft_len to draft_length everywhere in this file. Reply with the whole file "
-           f"in one ```python block, nothing else.\n\n```python\n{source}```")
-    body = {"messages": [{"role": "user", "content": ask}], "temperature": 0, "max_tokens": 1800}
+def edit_request(path, rename, with_prediction):
+    source = (ROOT / path).read_text()
+    lang = {".py": "python", ".rs": "rust"}.get(Path(path).suffix, "")
+    old, new = rename.split(":")
+    ask = (f"Rename the function {old} to {new} everywhere in this file. Reply with the whole file "
+           f"in one ```{lang} block, nothing else.\n\n```{lang}\n{source}```")
+    body = {"messages": [{"role": "user", "content": ask}], "temperature": 0, "max_tokens": 3000}
     if with_prediction:
-        body["prediction"] = {"type": "content", "content": f"```python\n{source}```"}
+        body["prediction"] = {"type": "content", "content": f"```{lang}\n{source}```"}
     return body
 
 
@@ -115,6 +117,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rtts", default="0,50")
     parser.add_argument("--edit-rtts", default=None, help="RTTs of the edit task (default: all of --rtts)")
+    parser.add_argument("--edit-file", default="delay-proxy/src/link.rs", help="the file asked back (from the repository root)")
+    parser.add_argument("--rename", default="deliver_at:delivery_time", help="OLD:NEW, the function renamed")
     parser.add_argument("--fim-cuts", type=int, default=6)
     parser.add_argument("--out", default=str(ROOT / f"bench/results/coding-{time.strftime('%Y%m%d-%H%M')}"))
     args = parser.parse_args()
@@ -138,7 +142,7 @@ def main():
             edits = {}
             edit_rtts = args.edit_rtts if args.edit_rtts is not None else args.rtts
             for mode, port in gateways.items() if str(rtt) in edit_rtts.split(",") else []:
-                answer, secs = post(port, "/v1/chat/completions", edit_request(mode == "prediction"))
+                answer, secs = post(port, "/v1/chat/completions", edit_request(args.edit_file, args.rename, mode == "prediction"))
                 usage = answer["usage"]
                 edits[mode] = {"text": answer["choices"][0]["message"]["content"], "seconds": secs,
                                "tokens": usage["completion_tokens"], "tokens_per_s": usage["completion_tokens"] / secs,
@@ -163,19 +167,19 @@ def main():
                 p.terminate()
             procs = procs[:1]
         (out / "results.json").write_text(json.dumps(results, indent=1))
-        report(results, out)
+        report(results, out, args.edit_file)
     finally:
         for p in procs:
             p.terminate()
 
 
-def report(results, out):
+def report(results, out, edit_file):
     one_row, more = results["pass_ms"][0], statistics.median(b - a for a, b in zip(results["pass_ms"], results["pass_ms"][1:]))
     lines = [f"# Coding workload ({time.strftime('%Y-%m-%d %H:%M')} UTC)", "",
              f"Verifier pass: {one_row:.0f} ms for one row, {more:.0f} ms per further row (`pass_ms`); a block of k rows "
              f"that commits all k+1 tokens is then at most (k+1)·{one_row:.0f}/({one_row:.0f}+k·{more:.0f}) times target-only "
              f"per call: the bound at RTT 0 as k grows is {one_row / more:.2f}x.", "",
-             "## Edit task (bench/plot.py back whole, one function renamed)", "",
+             f"## Edit task ({edit_file} back whole, one function renamed)", "",
              "| RTT | mode | tokens | s | tokens/s | x target-only | verify calls | prediction kept / rejected | lookup accepted / proposed | identical |",
              "|---:|---|---:|---:|---:|---:|---:|---|---|---|"]
     for rtt, edits in results["edit"].items():
