@@ -94,7 +94,9 @@ pub struct Proposer {
     lookup: bool,
     /// Longest block (the verifier's limit).
     cap: usize,
-    /// By [`Source`]: a prediction is usually right once aligned; a lookup's first token is a guess.
+    /// By [`Source`]. Learning costs nothing (unsent proposals are compared too), so a prior need
+    /// not be optimistic to be corrected: a prediction is the client's word for the answer, a
+    /// lookup's first token is assumed a coincidence until the text shows otherwise.
     odds: [Odds; 2],
     /// Where the last prediction block started: the answer reads the prediction in order.
     read: usize,
@@ -104,7 +106,7 @@ impl Proposer {
     /// `prediction`: the expected answer's tokens (may be empty); `lookup`: also look in the prompt
     /// and the answer; `cap`: the longest block the verifier takes.
     pub fn new(prediction: Vec<u32>, lookup: bool, cap: usize) -> Self {
-        let odds = [Odds::prior(0.9, 0.95), Odds::prior(0.5, 0.9)];
+        let odds = [Odds::prior(0.9, 0.95), Odds::prior(0.2, 0.8)];
         Self { prediction, lookup, cap: cap.max(1), odds, read: 0 }
     }
 
@@ -252,7 +254,7 @@ mod tests {
         // Committed 1 2 3 then something else: a rejection at the fourth token; first accepted.
         p.observe(&proposal, &[1, 2, 3, 9, 9]);
         let odds = p.odds[Source::Lookup as usize];
-        assert!(odds.first.value > 0.5 && odds.first.outcomes == 1 && odds.rest.outcomes == 3);
+        assert!(odds.first.value > 0.2 && odds.first.outcomes == 1 && odds.rest.outcomes == 3);
         assert!(p.expected_tokens(&proposal)[0] > before[0]);
         // A first token that was not committed lowers the first odds and teaches nothing after it.
         p.observe(&proposal, &[7]);

@@ -163,7 +163,10 @@ async fn an_edit_with_a_prediction_or_lookup_is_target_onlys_answer() {
     assert_eq!(status, 200);
     assert_eq!(parse_sse(status, &body).text, expected);
 
-    let looked_up = json_at(url, "/v1/chat/completions", &chat(json!({}))).await;
+    // A fixed length: whether `auto` prefers copies to a draft model drafting for itself turns on
+    // this host's timings, and this checks that lookup's blocks are sent and verified.
+    let fixed = json!({"spade": {"draft_len": 2}});
+    let looked_up = json_at(url, "/v1/chat/completions", &chat(fixed)).await;
     assert_eq!(answer(&looked_up), expected);
     let lookup_usage = &looked_up["usage"];
     assert_eq!(lookup_usage["completion_tokens_details"]["accepted_prediction_tokens"], 0);
