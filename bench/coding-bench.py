@@ -17,7 +17,8 @@ spade-delay-proxy at the RTT. Modes, all greedy, every output compared with targ
 `prediction`; (b) the same without it is the lookup mode; (c) fill-in-the-middle at random cut
 points of this repository's Python and Rust files (/v1/completions with suffix, 32 tokens), in
 target-only, default and lookup. Modes take turns request by request, so the compared modes are
-timed seconds apart. Needs the binaries built (cargo build) and the models (scripts/fetch-models.sh pair).
+timed seconds apart. Each edit is timed after the same request with max_tokens 1 through the same
+gateway, so every mode starts with the prompt cached on both sides (the time is decoding). Needs the binaries built (cargo build) and the models (scripts/fetch-models.sh pair).
 """
 import argparse
 import json
@@ -142,7 +143,11 @@ def main():
             edits = {}
             edit_rtts = args.edit_rtts if args.edit_rtts is not None else args.rtts
             for mode, port in gateways.items() if str(rtt) in edit_rtts.split(",") else []:
-                answer, secs = post(port, "/v1/chat/completions", edit_request(args.edit_file, args.rename, mode == "prediction"))
+                request = edit_request(args.edit_file, args.rename, mode == "prediction")
+                # The prompt once through this gateway first: every mode then starts with it cached on
+                # the verifier and on its edge, so the times compare decoding, not who prefilled first.
+                post(port, "/v1/chat/completions", {**request, "max_tokens": 1})
+                answer, secs = post(port, "/v1/chat/completions", request)
                 usage = answer["usage"]
                 edits[mode] = {"text": answer["choices"][0]["message"]["content"], "seconds": secs,
                                "tokens": usage["completion_tokens"], "tokens_per_s": usage["completion_tokens"] / secs,
@@ -153,7 +158,7 @@ def main():
                 print(f"rtt {rtt} edit {mode}: {edits[mode]['tokens']} tokens in {secs:.1f} s, {edits[mode]['verify_calls']} calls, identical {same}", flush=True)
             if edits:
                 results["edit"][rtt] = edits
-            fims = {mode: [] for mode in ("target-only", "default", "lookup")}
+            fims = {mode: [] for mode in ("target-only", "default", "lookup")} if cuts else {}
             for path, prefix, suffix in cuts:
                 for mode in fims:
                     body = {"prompt": prefix, "suffix": suffix, "max_tokens": 32, "temperature": 0}
@@ -161,8 +166,9 @@ def main():
                     fims[mode].append({"file": path, "text": answer["choices"][0]["text"], "seconds": secs,
                                        "tokens": answer["usage"]["completion_tokens"],
                                        "verify_calls": answer["usage"]["spade"]["verify_calls"]})
-            results["fim"][rtt] = fims
-            print(f"rtt {rtt} fim: " + ", ".join(f"{m} {sum(r['seconds'] for r in v):.1f} s" for m, v in fims.items()), flush=True)
+            if fims:
+                results["fim"][rtt] = fims
+                print(f"rtt {rtt} fim: " + ", ".join(f"{m} {sum(r['seconds'] for r in v):.1f} s" for m, v in fims.items()), flush=True)
             for p in procs[1:]:
                 p.terminate()
             procs = procs[:1]
