@@ -110,11 +110,6 @@ impl Proposer {
         Self { prediction, lookup, cap: cap.max(1), odds, read: 0 }
     }
 
-    /// The longest block the verifier takes.
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-
     /// Tokens in the prediction.
     pub fn prediction_len(&self) -> usize {
         self.prediction.len()

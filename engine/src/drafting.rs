@@ -92,25 +92,17 @@ impl Pacing {
         }
     }
 
-    /// How much of a copied block to send instead of the draft model's, and how many drafts after
-    /// it in the same block, up to `room` ([`DraftController::copied_block`] under `auto`). A fixed
-    /// length has no cost model: the whole block is sent while its first token is expected to be
-    /// accepted at least half the time, and where it is shorter than the length the draft model
-    /// drafts the rest of it; a length of 0 sends none.
-    pub fn copied_block(
-        &self,
-        expected: &[f64],
-        ahead_ready: bool,
-        room: usize,
-    ) -> Option<CopiedBlock> {
+    /// How much of a copied block to send instead of the draft model's ([`DraftController::copied_block`]
+    /// under `auto`). A fixed length has no cost model: the whole block is sent while its first token is
+    /// expected to be accepted at least half the time; a length of 0 sends none.
+    pub fn copied_block(&self, expected: &[f64], ahead_ready: bool) -> Option<CopiedBlock> {
         match self {
             Self::Fixed(0) => None,
-            Self::Fixed(n) => expected.first().filter(|&&e| e >= 1.5).map(|&e| CopiedBlock {
-                len: expected.len(),
-                then_draft: n.saturating_sub(expected.len()).min(room),
-                worth: e,
-            }),
-            Self::Auto { controller, .. } => controller.copied_block(expected, ahead_ready, room),
+            Self::Fixed(_) => expected
+                .first()
+                .filter(|&&e| e >= 1.5)
+                .map(|&e| CopiedBlock { len: expected.len(), worth: e }),
+            Self::Auto { controller, .. } => controller.copied_block(expected, ahead_ready),
         }
     }
 
@@ -137,21 +129,6 @@ impl Pacing {
             controller.observe_link(call_latency, verifier_time);
             if let Ok(mut shared) = shared.lock() {
                 shared.observe_link(call_latency, verifier_time);
-            }
-        }
-    }
-
-    /// A copied block's call: the verifier's time for its `rows`, and the link.
-    pub fn observe_block_call(
-        &mut self,
-        rows: usize,
-        call_latency: Duration,
-        verifier_time: Duration,
-    ) {
-        if let Self::Auto { controller, shared } = self {
-            controller.observe_block_call(rows, call_latency, verifier_time);
-            if let Ok(mut shared) = shared.lock() {
-                shared.observe_block_call(rows, call_latency, verifier_time);
             }
         }
     }

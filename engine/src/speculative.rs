@@ -152,11 +152,7 @@ pub enum LoopError {
 
 /// What a round of a copied block came to: None where the verifier was unreachable and the loop
 /// goes on with the draft model alone, else whether the generation ended.
-struct ProposalRound<'d> {
-    /// The block's rows: its tokens and the verifier's.
-    rows: usize,
-    /// Drafted during the call, for the prefix the round committed.
-    ahead: Option<Block<'d>>,
+struct ProposalRound {
     latency: Duration,
     verifier_time: Option<Duration>,
     outcome: Option<Option<Finish>>,
@@ -220,36 +216,21 @@ pub async fn run(
             }
             proposed = proposer.propose(&state.seq, prompt.len(), remaining - 1);
             proposed_at = state.seq.len();
-            // Where a copy runs out before the block's limit, the draft model may go on after it.
-            let longest = proposer.cap().min(remaining - 1);
             let best = proposed
                 .iter()
                 .filter_map(|p| {
                     let expected = proposer.expected_tokens(p);
-                    let room = drafter.map_or(0, |_| longest.saturating_sub(p.tokens.len()));
-                    pacing.copied_block(&expected, ahead.is_some(), room).map(|b| (p, b))
+                    pacing.copied_block(&expected, ahead.is_some()).map(|b| (p, b))
                 })
                 .max_by(|(_, a), (_, b)| a.worth.total_cmp(&b.worth));
             if let Some((proposal, block)) = best {
                 let proposal = proposal.first(block.len);
-                // A block drafted ahead is not sent: its drafting stops before the next starts.
-                drop(ahead.take());
+                ahead = None;
                 let first_call = std::mem::replace(&mut first, false);
-                let round = state
-                    .proposal_round(
-                        verifier,
-                        drafter,
-                        &proposal,
-                        block.then_draft,
-                        &mut pacing,
-                        first_call,
-                    )
-                    .await?;
-                ahead = round.ahead;
-                ahead_processed_prompt = first_call && ahead.is_some();
+                let round = state.proposal_round(verifier, drafter, &proposal, first_call).await?;
                 let Some(finish) = round.outcome else { continue };
                 if let (false, Some(verifier_time)) = (first_call, round.verifier_time) {
-                    pacing.observe_block_call(round.rows, round.latency, verifier_time);
+                    pacing.observe_link(round.latency, verifier_time);
                 }
                 match finish {
                     Some(finish) => return Ok(state.end(finish, &pacing)),
@@ -284,10 +265,26 @@ pub async fn run(
         state.stats.ahead_used += usize::from(from_ahead && !drafts.is_empty());
         state.stats.draft_time += round_started.elapsed();
 
-        // Draft ahead during the call. When the next block is to be empty (`auto` chose 0), the guess
-        // alone still probes the draft's acceptance.
-        let (mut next, next_d) =
-            start_ahead(drafter, &state.seq, drafts, remaining, params, &mut pacing, false).await?;
+        // Draft ahead during the call: a guess for the token after the block, then the next block. When
+        // the next block is to be empty (`auto` chose 0), the guess alone still probes the draft's acceptance.
+        // Not while other generations draft: drafting that may be thrown away must not delay theirs.
+        let after = remaining.saturating_sub(drafts.len() + 1);
+        let next_d = if after > 1 { pacing.choose(BlockKind::Ahead).min(after - 1) } else { 0 };
+        let mut context = Vec::new();
+        let mut next = match drafter {
+            Some(drafter)
+                if params.draft_ahead
+                    && after > 1
+                    && (next_d > 0 || pacing.probe())
+                    && !ends_with_stop(drafts, params)
+                    && !drafter.others_drafting() =>
+            {
+                context.extend_from_slice(&state.seq);
+                context.extend(drafts.iter().map(|t| t.token));
+                Some(Block::start(drafter, &context, next_d, true, &params.draft, &pacing).await?)
+            }
+            _ => None,
+        };
         let call_started = Instant::now();
         let verified = {
             let call = verifier.verify(&state.seq, drafts);
@@ -307,11 +304,26 @@ pub async fn run(
         };
         state.stats.verify_time += latency;
         state.stats.verifier_time += verified.verifier_time.unwrap_or_default().min(latency);
-        let (kept, guess_matched) =
-            state.take_ahead(next, next_d > 0, drafts, &verified, latency).await;
-        if kept.is_some() {
-            ahead = kept;
-            ahead_processed_prompt = first_call;
+        let all_accepted = verified.accepted == drafts.len();
+        let mut guess_matched = None;
+        if let Some(mut next) = next {
+            state.stats.ahead_drafted += 1;
+            state.stats.overlap_time += next.busy.min(latency);
+            let bonus = verified.committed.last().copied();
+            // A probe (nothing drafted after its guess) is not worth waiting for.
+            let guess = match (all_accepted, next_d > 0) {
+                (false, _) => None,
+                (true, true) => next.guess().await,
+                (true, false) => next.drawn_guess(),
+            };
+            if let Some(guess) = guess {
+                let matched = Some(guess) == bonus;
+                guess_matched = Some(matched);
+                if matched {
+                    ahead = Some(next);
+                    ahead_processed_prompt = first_call;
+                }
+            }
         }
         // The first call prefills the prompt: its time says nothing about a block's cost per round,
         // nor does the start of the block drafted ahead during it (~1 s of the draft's prompt here).
@@ -349,34 +361,6 @@ pub async fn run(
         }
     }
     Ok(state.end(Finish::Length, &pacing))
-}
-
-/// Starts drafting ahead during the call that verifies `drafts` after `seq`: a guess for the token the
-/// verifier adds, then the next block, of the length `auto` chooses for a block drafted ahead (0: the
-/// guess alone, drafted only as a probe unless `always`). Not while other generations draft: drafting
-/// that may be thrown away must not delay theirs. Returns the block and its length.
-async fn start_ahead<'d>(
-    drafter: Option<&'d dyn Drafter>,
-    seq: &[u32],
-    drafts: &[DraftToken],
-    remaining: usize,
-    params: &LoopParams,
-    pacing: &mut Pacing,
-    always: bool,
-) -> Result<(Option<Block<'d>>, usize), EngineError> {
-    let after = remaining.saturating_sub(drafts.len() + 1);
-    let next_d = if after > 1 { pacing.choose(BlockKind::Ahead).min(after - 1) } else { 0 };
-    let Some(drafter) = drafter.filter(|d| {
-        params.draft_ahead
-            && after > 1
-            && !ends_with_stop(drafts, params)
-            && !d.others_drafting()
-            && (next_d > 0 || always || pacing.probe())
-    }) else {
-        return Ok((None, next_d));
-    };
-    let context: Vec<u32> = seq.iter().copied().chain(drafts.iter().map(|t| t.token)).collect();
-    Ok((Some(Block::start(drafter, &context, next_d, true, &params.draft, pacing).await?), next_d))
 }
 
 /// Awaits a verify call; with a `drafter`, while it prefills `context` (the first call, so that the
@@ -463,86 +447,30 @@ impl Loop<'_> {
         self.commit_all(&verified.committed, &verified.logprobs).await
     }
 
-    /// The block drafted ahead during the call that verified `drafts`, kept when every draft was
-    /// accepted and its guess is the token the verifier added (it was then drafted on exactly the
-    /// committed prefix); and whether the guess matched, where there was one to compare. Waits for a
-    /// guess not drawn yet only when `wait` (a probe, nothing drafted after its guess, is not worth it).
-    async fn take_ahead<'d>(
-        &mut self,
-        next: Option<Block<'d>>,
-        wait: bool,
-        drafts: &[DraftToken],
-        verified: &Verified,
-        latency: Duration,
-    ) -> (Option<Block<'d>>, Option<bool>) {
-        let Some(mut next) = next else { return (None, None) };
-        self.stats.ahead_drafted += 1;
-        self.stats.overlap_time += next.busy.min(latency);
-        let guess = match (verified.accepted == drafts.len(), wait) {
-            (false, _) => None,
-            (true, true) => next.guess().await,
-            (true, false) => next.drawn_guess(),
-        };
-        let Some(guess) = guess else { return (None, None) };
-        let matched = Some(&guess) == verified.committed.last();
-        (matched.then_some(next), Some(matched))
-    }
-
     /// One round of a copied block: verified like a drafted one, with q a point mass on each token
     /// (the rule then accepts a token with the target's own probability of it: still lossless).
-    /// `then_draft`: the draft model drafts this many after the copy, in the same block (drawn from
-    /// its q after the copied tokens, so each position's q is still the one its token was drawn from).
-    ///
-    /// The draft model drafts ahead during the call as in any round, whatever `auto` chose: this also
-    /// brings its context up to the copied tokens while the verifier works (a model that sat out a
-    /// stretch of copied rounds otherwise caught up on hundreds of tokens when it was next asked,
-    /// 5–67 s on one core at a 2,700-token context).
-    async fn proposal_round<'d>(
+    async fn proposal_round(
         &mut self,
         verifier: &mut dyn BlockVerifier,
-        drafter: Option<&'d dyn Drafter>,
+        drafter: Option<&dyn Drafter>,
         proposal: &Proposal,
-        then_draft: usize,
-        pacing: &mut Pacing,
         first_call: bool,
-    ) -> Result<ProposalRound<'d>, LoopError> {
-        let mut drafts: Vec<DraftToken> = proposal
+    ) -> Result<ProposalRound, LoopError> {
+        let drafts: Vec<DraftToken> = proposal
             .tokens
             .iter()
             .map(|&token| DraftToken { token, q: SparseDist::point(token) })
             .collect();
-        if let Some(drafter) = drafter.filter(|_| then_draft > 0) {
-            let started = Instant::now();
-            let context = [&self.seq[..], &proposal.tokens[..]].concat();
-            let block =
-                Block::start(drafter, &context, then_draft, false, &self.params.draft, pacing)
-                    .await?;
-            drafts.extend(block.complete().await?.tokens);
-            self.stats.draft_time += started.elapsed();
-        }
-        let remaining = self.params.max_new_tokens - self.stats.committed;
-        let (mut next, _) =
-            start_ahead(drafter, &self.seq, &drafts, remaining, self.params, pacing, true).await?;
         let started = Instant::now();
         let call = verifier.verify(&self.seq, &drafts);
-        let verified = match next.as_mut() {
-            Some(next) => next.pull_while(call).await,
-            // The first call still overlaps the draft model's prefill of the prompt.
-            None => {
-                let prefilling = drafter.filter(|_| first_call);
-                with_prefill(call, prefilling, &self.seq, &self.params.draft).await
-            }
-        };
+        // The first call still overlaps the draft model's prefill of the prompt.
+        let prefilling = drafter.filter(|_| first_call);
+        let verified = with_prefill(call, prefilling, &self.seq, &self.params.draft).await;
         let latency = started.elapsed();
-        let rows = drafts.len() + 1;
-        let mut round =
-            ProposalRound { rows, ahead: None, latency, verifier_time: None, outcome: None };
+        let mut round = ProposalRound { latency, verifier_time: None, outcome: None };
         let Some(verified) = self.check(verified, &drafts)? else {
             return Ok(round);
         };
-        // Not waited for: the next round is as likely to be copied again, and the drafting goes on
-        // (so the model's context keeps up) whether or not its block is kept.
-        round.ahead = self.take_ahead(next, false, &drafts, &verified, latency).await.0;
         round.verifier_time = verified.verifier_time;
         self.stats.verify_time += latency;
         self.stats.verifier_time += verified.verifier_time.unwrap_or_default().min(latency);
@@ -551,11 +479,8 @@ impl Loop<'_> {
             Source::Prediction => (&mut self.stats.predicted, &mut self.stats.predicted_accepted),
             Source::Lookup => (&mut self.stats.looked_up, &mut self.stats.looked_up_accepted),
         };
-        let copied = proposal.tokens.len();
-        *proposed += copied;
-        *accepted += verified.accepted.min(copied);
-        self.stats.drafted += drafts.len() - copied;
-        self.stats.accepted += verified.accepted.saturating_sub(copied);
+        *proposed += drafts.len();
+        *accepted += verified.accepted;
         let finish = self.commit_all(&verified.committed, &verified.logprobs).await?;
         round.outcome = Some(finish);
         Ok(round)

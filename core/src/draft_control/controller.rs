@@ -20,10 +20,7 @@ const LEARNING_OUTCOMES: u32 = 4;
 /// How much of a copied block to send ([`DraftController::copied_block`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CopiedBlock {
-    /// Copied tokens sent.
     pub len: usize,
-    /// Tokens the draft model drafts after them, in the same block (where the copy ran out).
-    pub then_draft: usize,
     /// What its round is worth over the draft model's, in tokens.
     pub worth: f64,
 }
@@ -96,52 +93,21 @@ impl DraftController {
 
     /// A copied block ([`crate::lookup`]: no drafting, so its round is its call, `rtt + V(k + 1)`)
     /// weighed against the draft model's next round. `expected[k - 1]` is what sending its first `k`
-    /// tokens commits on average. Its length is the one whose round commits the most per second (the
-    /// rate copying goes on at); it is sent when that round is worth more than the model's next one
-    /// at the chosen lengths' rate: its tokens less its time at that rate, against 0 for a block
-    /// drafted after a miss (the state a copied round leaves the loop in), or a block drafted ahead's
-    /// worth when one is `ahead_ready`. None: the model's round is worth more.
-    ///
-    /// Both in one block: where `room` is left after the whole copy (it ran out before the verifier's
-    /// limit, so the model drafts what comes after it), the draft model may draft `m` more in the
-    /// same block. When every copied token is accepted (the chance `E(len) − E(len − 1)`), they commit
-    /// the model's `E(m)` in place of the verifier's one token, for `t_start + m·t_draft` of drafting
-    /// and `m` more rows: sent where that is worth more at the model's rate than the copy alone.
-    pub fn copied_block(
-        &self,
-        expected: &[f64],
-        ahead_ready: bool,
-        room: usize,
-    ) -> Option<CopiedBlock> {
+    /// tokens commits on average. Its length is the one whose round commits the most per second; it
+    /// is sent when that round is worth more than the model's next one at the chosen lengths' rate:
+    /// its tokens less its time at that rate, against 0 for a block drafted after a miss (the state a
+    /// copied round leaves the loop in), or a block drafted ahead's worth when one is `ahead_ready`.
+    /// None: the model's round is worth more.
+    pub fn copied_block(&self, expected: &[f64], ahead_ready: bool) -> Option<CopiedBlock> {
         let e = &self.estimates;
-        let time = |rows: usize, drafting: f64| {
-            (drafting + e.rtt_s + e.verify_time(rows)).max(MIN_ROUND_S)
-        };
-        let worth = |tokens: f64, time: f64| tokens - self.policy.rate * time;
-        let whole = expected.len().min(MAX_POSITIONS);
-        let len = (1..=whole).max_by(|&a, &b| {
-            (expected[a - 1] / time(a + 1, 0.0)).total_cmp(&(expected[b - 1] / time(b + 1, 0.0)))
-        })?;
-        let copy =
-            CopiedBlock { len, then_draft: 0, worth: worth(expected[len - 1], time(len + 1, 0.0)) };
-        let all_accepted = match whole {
-            1 => expected[0] - 1.0,
-            k => expected[k - 1] - expected[k - 2],
-        };
-        let room = room.min(self.max_draft).min(MAX_POSITIONS - whole);
-        let best = (1..=room)
-            .map(|m| {
-                let tokens = expected[whole - 1] + all_accepted * (e.expected_tokens(m) - 1.0);
-                let drafting = e.t_start_s + m as f64 * e.t_draft_s;
-                CopiedBlock {
-                    len: whole,
-                    then_draft: m,
-                    worth: worth(tokens, time(whole + m + 1, drafting)),
-                }
-            })
-            .fold(copy, |best, both| if both.worth > best.worth { both } else { best });
+        let time = |k: usize| (e.rtt_s + e.verify_time(k + 1)).max(MIN_ROUND_S);
+        let (len, tokens) =
+            (1..=expected.len().min(MAX_POSITIONS))
+                .map(|k| (k, expected[k - 1]))
+                .max_by(|(a, ea), (b, eb)| (ea / time(*a)).total_cmp(&(eb / time(*b))))?;
+        let worth = tokens - self.policy.rate * time(len);
         let model = if ahead_ready { self.policy.ahead_worth } else { 0.0 };
-        (best.worth > model).then_some(CopiedBlock { worth: best.worth - model, ..best })
+        (worth > model).then_some(CopiedBlock { len, worth: worth - model })
     }
 
     /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
@@ -165,16 +131,6 @@ impl DraftController {
     /// Learns the link from a call that is not a round ([`Estimates::observe_link`]).
     pub fn observe_link(&mut self, call_latency: Duration, verifier_time: Duration) {
         self.estimates.observe_link(call_latency, verifier_time);
-    }
-
-    /// Learns from a copied block's call ([`Estimates::observe_block_call`]).
-    pub fn observe_block_call(
-        &mut self,
-        rows: usize,
-        call_latency: Duration,
-        verifier_time: Duration,
-    ) {
-        self.estimates.observe_block_call(rows, call_latency, verifier_time);
     }
 
     /// The last choice and its inputs.
@@ -354,35 +310,22 @@ mod tests {
         // Draft acceptance 0.7, 30 ms steps, 50 ms RTT, V = 80 ms + 8 ms a row.
         let c = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 80.0, 8.0));
         // A text that repeats (0.98 a token): sent, and longer than the model's drafts.
-        let sure = c.copied_block(&copied(0.98, 32), false, 0).unwrap();
+        let sure = c.copied_block(&copied(0.98, 32), false).unwrap();
         assert!(sure.len > 8 && sure.worth > 0.0, "{sure:?}");
         // Its length maximises tokens per second of its own round.
         let e = &c.estimates;
         let rate = |k: usize| copied(0.98, 32)[k - 1] / (e.rtt_s + e.verify_time(k + 1));
         assert!((1..=32).all(|k| rate(k) <= rate(sure.len)));
         // A guess right a third of the time is worth less than the model's round.
-        assert_eq!(c.copied_block(&copied(0.33, 32), false, 0), None);
+        assert_eq!(c.copied_block(&copied(0.33, 32), false), None);
         // Nothing to send: nothing.
-        assert_eq!(c.copied_block(&[], false, 8), None);
+        assert_eq!(c.copied_block(&[], false), None);
         // A block drafted ahead and ready raises the bar by its worth.
-        let ready = c.copied_block(&copied(0.98, 32), true, 0);
+        let ready = c.copied_block(&copied(0.98, 32), true);
         assert!(c.policy.ahead_worth > 0.0);
         assert!(ready.is_none_or(|r| close(r.worth, sure.worth - c.policy.ahead_worth)));
         // Where verify rows are cheap (a GPU), the block runs to what the source has.
         let gpu = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 20.0, 0.1));
-        assert_eq!(gpu.copied_block(&copied(0.98, 32), false, 0).unwrap().len, 32);
-    }
-
-    #[test]
-    fn a_short_sure_copy_is_followed_by_the_models_drafts_in_the_same_block() {
-        let c = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 80.0, 8.0));
-        // Four tokens the answer repeats, then the source runs out: one call carries them and the
-        // model's next drafts, instead of a call for the copy and another for the model's block.
-        let both = c.copied_block(&copied(0.98, 4), false, 12).unwrap();
-        assert!(both.len == 4 && (1..=8).contains(&both.then_draft), "{both:?}");
-        let alone = c.copied_block(&copied(0.98, 4), false, 0).unwrap();
-        assert!(alone.then_draft == 0 && alone.worth < both.worth, "{alone:?} {both:?}");
-        // After a copy that is mostly rejected the drafts would rarely count: neither is sent.
-        assert_eq!(c.copied_block(&copied(0.33, 4), false, 12), None);
+        assert_eq!(gpu.copied_block(&copied(0.98, 32), false).unwrap().len, 32);
     }
 }
