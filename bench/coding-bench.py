@@ -18,7 +18,8 @@ spade-delay-proxy at the RTT. Modes, all greedy, every output compared with targ
 points of this repository's Python and Rust files (/v1/completions with suffix, 32 tokens), in
 target-only, default and lookup. Modes take turns request by request, so the compared modes are
 timed seconds apart. Each edit is timed after the same request with max_tokens 1 through the same
-gateway, so every mode starts with the prompt cached on both sides (the time is decoding). Needs the binaries built (cargo build) and the models (scripts/fetch-models.sh pair).
+gateway, so every mode starts with the prompt cached on both sides (the time is decoding). Needs the
+binaries built (cargo build) and the models (scripts/fetch-models.sh pair).
 """
 import argparse
 import json
