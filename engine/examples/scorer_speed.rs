@@ -6,6 +6,9 @@
 //!
 //!   cargo run --example scorer_speed -p spade-engine -- models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf [4x5 …]
 //!
+//! `CONTEXT=2000 BLOCK=32`: the prompt is 2,000 tokens (its prefill timed) and the block 32 positions,
+//! as a long coding conversation's verify rounds are; batched passes then run only where listed.
+//!
 //! Build once more with `RUSTFLAGS="-C target-cpu=x86-64"` (and another CARGO_TARGET_DIR) to see
 //! what the x86-64-v3 setting in .cargo/config.toml buys.
 
@@ -68,8 +71,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let path = PathBuf::from(std::env::args().nth(1).ok_or("usage: scorer_speed MODEL.gguf")?);
     let scorer = CandleScorer::load(&path)?;
     let mut session = scorer.new_session();
-    let mut tokens: Vec<u32> = (0..32u32).map(|i| (i * 7919 + 13) % 30000).collect();
+    let setting = |name: &str| std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok());
+    let (context, block_len) = (setting("CONTEXT"), setting("BLOCK").unwrap_or(5));
+    let mut tokens: Vec<u32> =
+        (0..context.unwrap_or(32) as u32).map(|i| (i * 7919 + 13) % 30000).collect();
+    let started = Instant::now();
     session.score(&tokens, 1)?;
+    println!("prefill of {} tokens: {:.2} s", tokens.len(), started.elapsed().as_secs_f64());
     let mut steps = Vec::new();
     for _ in 0..32 {
         let started = Instant::now();
@@ -80,13 +88,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         tokens.push(next as u32);
     }
     // BLOCKS=N times N blocks instead of 12 (a longer run to profile, e.g. under `perf record -D`).
-    let blocks_to_time: usize =
-        std::env::var("BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(12);
+    let blocks_to_time = setting("BLOCKS").unwrap_or(12);
     let mut blocks = Vec::new();
     for _ in 0..blocks_to_time {
-        session.truncate(tokens.len() - 5);
+        session.truncate(tokens.len() - block_len);
         let started = Instant::now();
-        session.score(&tokens, 5)?;
+        session.score(&tokens, block_len)?;
         blocks.push(started.elapsed().as_secs_f64() * 1e3);
     }
     // Medians, and the fastest repetition beside them: on a shared host the fastest is the closest
@@ -94,7 +101,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (step, step_min) = (median(&mut steps), steps[0]);
     let (block, block_min) = (median(&mut blocks), blocks[0]);
     println!(
-        "{}: decode {:.1} tok/s ({step:.1} ms/token, fastest {step_min:.1}); 5-position block {block:.1} ms (fastest {block_min:.1})",
+        "{}: decode {:.1} tok/s ({step:.1} ms/token, fastest {step_min:.1}); {block_len}-position block {block:.1} ms (fastest {block_min:.1})",
         path.display(),
         1000.0 / step,
     );
@@ -102,7 +109,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compare_avx_vnni(session.as_mut(), &tokens, blocks_to_time)?;
 
     let shapes: Vec<String> = std::env::args().skip(2).collect();
-    let shapes = if shapes.is_empty() {
+    let shapes = if shapes.is_empty() && context.is_none() {
         ["1x1", "8x1", "1x5", "8x5"].map(String::from).to_vec()
     } else {
         shapes

@@ -1,5 +1,6 @@
 //! The target model: KV-cached scoring of appended positions on candle's quantized kernels.
 
+mod attention;
 mod model;
 mod qweight;
 

@@ -2,15 +2,15 @@
 //! every scored position.
 //!
 //! Every operation is row-independent with a fixed reduction order (multi-row matmuls from
-//! [`QWeight`], per-row norms, per-(row, head) attention), so a position's logits are bit-identical
+//! [`QWeight`], per-row norms, per-(row, head) attention sums), so a position's logits are bit-identical
 //! whether it is scored alone or in a block. That is what makes greedy speculative output identical
 //! token for token to the target's own greedy output.
 
 use candle_core::quantized::gguf_file::Content;
 use candle_core::Device;
-use rayon::prelude::*;
 use spade_core::fastmath;
 
+use super::attention::{attention, HeadShape};
 use super::qweight::QWeight;
 use crate::gguf::GgufFile;
 use crate::EngineError;
@@ -353,6 +353,8 @@ impl Transformer {
         let ropes: Vec<RopeTable> =
             parts.iter().map(|p| RopeTable::new(cfg, p.cache.len, p.tokens.len())).collect();
         let (q_row, kv_row) = (cfg.n_heads * cfg.head_dim, self.kv_row());
+        let heads =
+            HeadShape { n_heads: cfg.n_heads, n_kv_heads: cfg.n_kv_heads, head_dim: cfg.head_dim };
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm_rows(&x, &layer.attn_norm, cfg.eps);
             let mut q = layer.wq.forward(&h, m);
@@ -381,7 +383,7 @@ impl Transformer {
                     }
                     buf.extend_from_slice(rows);
                 }
-                attn.extend(attention(cfg, q, &cache.keys[l], &cache.values[l], cache.len, rows));
+                attn.extend(attention(heads, q, &cache.keys[l], &cache.values[l], cache.len, rows));
                 row0 += rows;
             }
             let o = layer.wo.forward(&attn, m);
@@ -410,7 +412,7 @@ pub struct Part<'a> {
 
 /// Dot product with eight fixed accumulators: vectorisable, and the same order for every call.
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -492,39 +494,4 @@ impl RopeTable {
             }
         }
     }
-}
-
-/// Causal attention of `m` new rows (positions `start..start+m`) over the cache, one task per
-/// (row, head); grouped-query heads share kv heads.
-fn attention(
-    cfg: &Config,
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    start: usize,
-    m: usize,
-) -> Vec<f32> {
-    let (hd, nh, nkv) = (cfg.head_dim, cfg.n_heads, cfg.n_kv_heads);
-    let group = nh / nkv;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0f32; m * nh * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-        let (r, h) = (idx / nh, idx % nh);
-        let g = h / group;
-        let qv = &q[idx * hd..(idx + 1) * hd];
-        let n = start + r + 1;
-        let mut scores: Vec<f32> =
-            (0..n).map(|j| dot(qv, &keys[(j * nkv + g) * hd..][..hd]) * scale).collect();
-        let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        // The exponentials in a loop of their own, which vectorises; the sum in order.
-        scores.iter_mut().for_each(|s| *s = fastmath::exp(*s - max));
-        let sum: f32 = scores.iter().fold(0.0, |acc, s| acc + s);
-        for (j, s) in scores.iter().enumerate() {
-            let w = s / sum;
-            for (od, vd) in o.iter_mut().zip(&values[(j * nkv + g) * hd..][..hd]) {
-                *od += w * vd;
-            }
-        }
-    });
-    out
 }
