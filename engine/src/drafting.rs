@@ -133,6 +133,21 @@ impl Pacing {
         }
     }
 
+    /// A copied block's call: the verifier's time for its `rows`, and the link.
+    pub fn observe_block_call(
+        &mut self,
+        rows: usize,
+        call_latency: Duration,
+        verifier_time: Duration,
+    ) {
+        if let Self::Auto { controller, shared } = self {
+            controller.observe_block_call(rows, call_latency, verifier_time);
+            if let Ok(mut shared) = shared.lock() {
+                shared.observe_block_call(rows, call_latency, verifier_time);
+            }
+        }
+    }
+
     pub fn choice(&self) -> Option<DraftChoice> {
         match self {
             Self::Fixed(_) => None,

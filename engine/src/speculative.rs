@@ -230,7 +230,11 @@ pub async fn run(
                 let round = state.proposal_round(verifier, drafter, &proposal, first_call).await?;
                 let Some(finish) = round.outcome else { continue };
                 if let (false, Some(verifier_time)) = (first_call, round.verifier_time) {
-                    pacing.observe_link(round.latency, verifier_time);
+                    pacing.observe_block_call(
+                        proposal.tokens.len() + 1,
+                        round.latency,
+                        verifier_time,
+                    );
                 }
                 match finish {
                     Some(finish) => return Ok(state.end(finish, &pacing)),
@@ -363,8 +367,8 @@ pub async fn run(
     Ok(state.end(Finish::Length, &pacing))
 }
 
-/// Awaits a verify call; with a `drafter`, while it prefills `context` (the first call, so that the
-/// two prefills of the prompt overlap instead of adding up).
+/// Awaits a verify call; with a `drafter`, while it prefills `context` (the prompt on the first call,
+/// so that the two prefills overlap instead of adding up; a copied block's context and tokens).
 async fn with_prefill<F: std::future::Future>(
     call: F,
     drafter: Option<&dyn Drafter>,
@@ -461,11 +465,22 @@ impl Loop<'_> {
             .iter()
             .map(|&token| DraftToken { token, q: SparseDist::point(token) })
             .collect();
+        // While the verifier checks the block, the draft model reads the context and the block (the
+        // edge is idle otherwise), so a later model round starts from its cache instead of first
+        // catching up on every copied token: on a long copied answer that catch-up stalled the loop
+        // for a minute. On the first call it reads the prompt alongside the verifier's prefill. Not
+        // while other generations draft: their rounds must not wait for this reading.
+        let reading = match drafter {
+            Some(_) if first_call => Some(self.seq.clone()),
+            Some(d) if !d.others_drafting() => Some([&self.seq[..], &proposal.tokens].concat()),
+            _ => None,
+        };
         let started = Instant::now();
         let call = verifier.verify(&self.seq, &drafts);
-        // The first call still overlaps the draft model's prefill of the prompt.
-        let prefilling = drafter.filter(|_| first_call);
-        let verified = with_prefill(call, prefilling, &self.seq, &self.params.draft).await;
+        let verified = match &reading {
+            Some(context) => with_prefill(call, drafter, context, &self.params.draft).await,
+            None => call.await,
+        };
         let latency = started.elapsed();
         let mut round = ProposalRound { latency, verifier_time: None, outcome: None };
         let Some(verified) = self.check(verified, &drafts)? else {

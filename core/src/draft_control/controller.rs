@@ -133,6 +133,16 @@ impl DraftController {
         self.estimates.observe_link(call_latency, verifier_time);
     }
 
+    /// Learns from a copied block's call ([`Estimates::observe_block_call`]).
+    pub fn observe_block_call(
+        &mut self,
+        rows: usize,
+        call_latency: Duration,
+        verifier_time: Duration,
+    ) {
+        self.estimates.observe_block_call(rows, call_latency, verifier_time);
+    }
+
     /// The last choice and its inputs.
     pub fn choice(&self) -> DraftChoice {
         self.choice.clone()

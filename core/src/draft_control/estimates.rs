@@ -284,6 +284,23 @@ impl Estimates {
         }
     }
 
+    /// Learns from a call that verified a block of `rows` but was no drafted round (a copied block,
+    /// [`crate::lookup`]): the verifier's time for that size, and the link. Copied blocks run longer
+    /// than the model's, so they time the sizes the model's blocks rarely reach.
+    pub fn observe_block_call(
+        &mut self,
+        rows: usize,
+        call_latency: Duration,
+        verifier_time: Duration,
+    ) {
+        let verifier_s = verifier_time.as_secs_f64();
+        if verifier_s > 0.0 && verifier_s <= MAX_SAMPLE_S && rows <= MAX_POSITIONS + 1 {
+            self.fit_verify(rows as f64, verifier_s);
+            self.measure_verify(rows, verifier_s);
+        }
+        self.observe_link(call_latency, verifier_time);
+    }
+
     /// One round-trip sample: the first replaces the prior, then a running average down to [`TIME_GAIN`].
     fn learn_rtt(&mut self, rtt_s: f64) {
         let gain = (1.0 / (f64::from(self.rtt_samples) + 1.0)).max(TIME_GAIN);
@@ -318,6 +335,23 @@ mod tests {
         assert!(close(e.rtt_s, 0.050), "clamped at 0: {}", e.rtt_s);
         e.observe_link(Duration::MAX, Duration::ZERO);
         assert!(close(e.rtt_s, 0.050), "an outage is no sample: {}", e.rtt_s);
+    }
+
+    #[test]
+    fn a_copied_blocks_call_times_its_size_and_the_link() {
+        let mut e = Estimates::default();
+        let (before, other) = (e.verify_time(25), e.verify_time(3));
+        e.observe_block_call(25, Duration::from_millis(900), Duration::from_millis(850));
+        assert!(close(e.rtt_s, 0.050), "{}", e.rtt_s);
+        assert!(e.verify_time(25) > before, "{} vs {before}", e.verify_time(25));
+        // A block past the modelled sizes still teaches the link, but no size's time.
+        let mut far = Estimates::default();
+        far.observe_block_call(
+            MAX_POSITIONS + 2,
+            Duration::from_millis(900),
+            Duration::from_millis(850),
+        );
+        assert!(close(far.rtt_s, 0.050) && close(far.verify_time(3), other), "{far:?}");
     }
 
     #[test]
