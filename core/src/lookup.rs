@@ -32,12 +32,17 @@ pub enum Source {
 pub struct Proposal {
     pub tokens: Vec<u32>,
     pub source: Source,
+    /// Whether it goes on where its source's last proposal left off, that proposal having matched
+    /// everything committed since; otherwise the source was searched afresh (the answer's start
+    /// counts as aligned for a prediction). Where an answer diverged from a prediction, the
+    /// realigned proposals that follow are often wrong from their first token; an aligned one seldom is.
+    pub aligned: bool,
 }
 
 impl Proposal {
     /// Its first `len` tokens.
     pub fn first(&self, len: usize) -> Self {
-        Self { tokens: self.tokens[..len.min(self.tokens.len())].to_vec(), source: self.source }
+        Self { tokens: self.tokens[..len.min(self.tokens.len())].to_vec(), ..*self }
     }
 }
 
@@ -94,20 +99,27 @@ pub struct Proposer {
     lookup: bool,
     /// Longest block (the verifier's limit).
     cap: usize,
-    /// By [`Source`]. Learning costs nothing (unsent proposals are compared too), so a prior need
-    /// not be optimistic to be corrected: a prediction is the client's word for the answer, a
-    /// lookup's first token is assumed a coincidence until the text shows otherwise.
-    odds: [Odds; 2],
+    /// By [`Source`], then realigned or aligned ([`Proposal::aligned`]). Learning costs nothing
+    /// (unsent proposals are compared too), so a prior need not be optimistic to be corrected: a
+    /// prediction is the client's word for the answer, a lookup's first token is assumed a
+    /// coincidence until the text shows otherwise.
+    odds: [[Odds; 2]; 2],
     /// Where the last prediction block started: the answer reads the prediction in order.
     read: usize,
+    /// By [`Source`]: the token its next proposal starts with if it goes on where the last one
+    /// left off (that one having matched all that was committed since).
+    next: [Option<u32>; 2],
 }
 
 impl Proposer {
     /// `prediction`: the expected answer's tokens (may be empty); `lookup`: also look in the prompt
     /// and the answer; `cap`: the longest block the verifier takes.
     pub fn new(prediction: Vec<u32>, lookup: bool, cap: usize) -> Self {
-        let odds = [Odds::prior(0.9, 0.95), Odds::prior(0.2, 0.8)];
-        Self { prediction, lookup, cap: cap.max(1), odds, read: 0 }
+        let odds = [
+            [Odds::prior(0.5, 0.9), Odds::prior(0.9, 0.95)],
+            [Odds::prior(0.2, 0.8), Odds::prior(0.5, 0.85)],
+        ];
+        Self { prediction, lookup, cap: cap.max(1), odds, read: 0, next: [None; 2] }
     }
 
     /// Tokens in the prediction.
@@ -129,6 +141,9 @@ impl Proposer {
             return proposals;
         }
         let answer = &seq[prompt_len.min(seq.len())..];
+        let next = std::mem::take(&mut self.next);
+        let aligned =
+            |source: Source, tokens: &[u32]| tokens.first() == next[source as usize].as_ref();
         if !self.prediction.is_empty() {
             let from = match answer {
                 [] => Some(0),
@@ -138,7 +153,8 @@ impl Proposer {
                 self.read = from;
                 let tokens =
                     self.prediction[from..(from + len).min(self.prediction.len())].to_vec();
-                proposals.push(Proposal { tokens, source: Source::Prediction });
+                let aligned = answer.is_empty() || aligned(Source::Prediction, &tokens);
+                proposals.push(Proposal { aligned, tokens, source: Source::Prediction });
             }
         }
         if self.lookup && !answer.is_empty() {
@@ -146,7 +162,8 @@ impl Proposer {
             let context = &seq[..seq.len() - 1];
             if let Some(from) = continuation(context, seq, LOOKUP_NGRAM, None) {
                 let tokens = context[from..(from + len).min(context.len())].to_vec();
-                proposals.push(Proposal { tokens, source: Source::Lookup });
+                let aligned = aligned(Source::Lookup, &tokens);
+                proposals.push(Proposal { aligned, tokens, source: Source::Lookup });
             }
         }
         proposals
@@ -155,14 +172,25 @@ impl Proposer {
     /// `E(k)` for `k` in `1..=proposal.tokens.len()`: what sending the proposal's first `k` tokens
     /// commits on average, by its source's odds.
     pub fn expected_tokens(&self, proposal: &Proposal) -> Vec<f64> {
-        self.odds[proposal.source as usize].expected_tokens(proposal.tokens.len())
+        self.odds_of(proposal).expected_tokens(proposal.tokens.len())
     }
 
     /// Learns from the tokens committed after `proposal` was made, whether it was sent or not.
+    /// Call it for each of a round's proposals before the next [`Proposer::propose`].
     pub fn observe(&mut self, proposal: &Proposal, committed: &[u32]) {
         let compared = proposal.tokens.len().min(committed.len());
         let matched = proposal.tokens.iter().zip(committed).take_while(|(p, c)| p == c).count();
-        self.odds[proposal.source as usize].observe(matched, compared);
+        self.odds_of_mut(proposal).observe(matched, compared);
+        self.next[proposal.source as usize] =
+            proposal.tokens.get(matched).copied().filter(|_| matched == committed.len());
+    }
+
+    fn odds_of(&self, proposal: &Proposal) -> &Odds {
+        &self.odds[proposal.source as usize][usize::from(proposal.aligned)]
+    }
+
+    fn odds_of_mut(&mut self, proposal: &Proposal) -> &mut Odds {
+        &mut self.odds[proposal.source as usize][usize::from(proposal.aligned)]
     }
 }
 
@@ -205,7 +233,8 @@ mod tests {
         let mut p = Proposer::new(prediction, false, 8);
         let prompt = [1, 2, 3];
         let first = p.propose(&prompt, 3, 32);
-        let want = Proposal { tokens: (100..108).collect(), source: Source::Prediction };
+        let want =
+            Proposal { tokens: (100..108).collect(), source: Source::Prediction, aligned: true };
         assert_eq!(first, [want]);
         // The answer added a token (7) after 104, then went on with 105, 106: resume after 106.
         let seq = [1, 2, 3, 100, 101, 102, 103, 104, 7, 105, 106];
@@ -223,7 +252,11 @@ mod tests {
         let prompt = [5, 6, 7, 8, 9, 10, 11, 12];
         let seq = [&prompt[..], &[1, 6, 7, 8]].concat();
         // After the 3-gram 6 7 8, on to the context's end (the answer's tokens but its last).
-        let want = Proposal { tokens: vec![9, 10, 11, 12, 1, 6, 7], source: Source::Lookup };
+        let want = Proposal {
+            tokens: vec![9, 10, 11, 12, 1, 6, 7],
+            source: Source::Lookup,
+            aligned: false,
+        };
         assert_eq!(p.propose(&seq, prompt.len(), 16), std::slice::from_ref(&want));
         assert_eq!(want.first(2).tokens, [9, 10]);
         // Two tokens are too few to trust.
@@ -249,19 +282,47 @@ mod tests {
         let want = [1.5, 1.5 + 0.4, 1.5 + 0.4 + 0.32];
         assert!(e.iter().zip(want).all(|(x, w)| (x - w).abs() < 1e-12), "{e:?}");
         let mut p = Proposer::new(Vec::new(), true, 16);
-        let proposal = Proposal { tokens: vec![1, 2, 3, 4], source: Source::Lookup };
+        let proposal =
+            Proposal { tokens: vec![1, 2, 3, 4], source: Source::Lookup, aligned: false };
         let before = p.expected_tokens(&proposal);
         // Committed 1 2 3 then something else: a rejection at the fourth token; first accepted.
         p.observe(&proposal, &[1, 2, 3, 9, 9]);
-        let odds = p.odds[Source::Lookup as usize];
+        let odds = p.odds[Source::Lookup as usize][0];
         assert!(odds.first.value > 0.2 && odds.first.outcomes == 1 && odds.rest.outcomes == 3);
         assert!(p.expected_tokens(&proposal)[0] > before[0]);
         // A first token that was not committed lowers the first odds and teaches nothing after it.
         p.observe(&proposal, &[7]);
-        let odds = p.odds[Source::Lookup as usize];
+        let odds = p.odds[Source::Lookup as usize][0];
         assert!(odds.first.outcomes == 2 && odds.rest.outcomes == 3);
         // Nothing committed (the round failed): nothing learnt.
         p.observe(&proposal, &[]);
-        assert_eq!(p.odds[Source::Lookup as usize].first.outcomes, 2);
+        assert_eq!(p.odds[Source::Lookup as usize][0].first.outcomes, 2);
+    }
+
+    #[test]
+    fn a_proposal_is_aligned_while_the_answer_follows_its_source_and_learns_apart_after() {
+        let prediction: Vec<u32> = (100..140).collect();
+        let mut p = Proposer::new(prediction, false, 8);
+        let prompt = [1, 2, 3];
+        let first = p.propose(&prompt, 3, 32).remove(0);
+        assert!(first.aligned);
+        // Four tokens committed, all as proposed: the next proposal goes on from 104, aligned.
+        p.observe(&first, &[100, 101, 102, 103]);
+        let seq = [1, 2, 3, 100, 101, 102, 103];
+        let second = p.propose(&seq, 3, 32).remove(0);
+        assert!(second.aligned && second.tokens[0] == 104);
+        // The answer diverged (7 for 104, then 105 and 106 as the prediction has them): the
+        // proposal found after it is realigned, and learning from it leaves the aligned odds alone.
+        p.observe(&second, &[7, 105, 106]);
+        let seq = [1, 2, 3, 100, 101, 102, 103, 7, 105, 106];
+        let third = p.propose(&seq, 3, 32).remove(0);
+        assert!(!third.aligned && third.tokens[0] == 107);
+        let aligned_before = p.expected_tokens(&second);
+        p.observe(&third, &[9]);
+        assert_eq!(p.expected_tokens(&second), aligned_before);
+        assert!(p.odds[Source::Prediction as usize][0].first.outcomes == 1);
+        // Its first token was not committed: nothing to go on from, so realigned.
+        let fourth = p.propose(&[1, 2, 3, 100, 101], 3, 32).remove(0);
+        assert!(!fourth.aligned);
     }
 }
