@@ -5,6 +5,8 @@
 //!
 //!   RAYON_NUM_THREADS=1 taskset -c 1 cargo run --example draft_speed -p spade-engine -- [MODEL.gguf]
 //!
+//! `CONTEXT=2700`: the decode step after a 2,700-token context instead of 64 (a long coding answer's).
+//!
 //! Compare with llama.cpp on the same file and thread count: `bash bench/compute-floor.sh`. Where the
 //! CPU has AVX-VNNI or AVX512-VNNI (used by the candle patch's kernels), the decode step and a 128-token prompt are
 //! also timed with it and with AVX2 alone, interleaved, and their drafts compared.
@@ -33,7 +35,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         MistralDrafter::load(&ModelSource::Local(path.clone()), DrafterOptions::default()).await?;
     let params =
         DraftParams { sampling: SamplingParams::greedy(), penalties: None, grammar: None, seed: 1 };
-    let text: Vec<u32> = drafter.encode_text(&TEXT.repeat(40), false).await?;
+    let text: Vec<u32> = drafter.encode_text(&TEXT.repeat(160), false).await?;
 
     // Prefill: a fresh 512-token prompt each time (a different first token defeats the prefix cache).
     let mut prefill = Vec::new();
@@ -46,8 +48,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let prefill = median(prefill);
 
-    // Decode: one 64-token block after a cached 64-token context, against a 4-token block.
-    let context = text[..64].to_vec();
+    // Decode: one 64-token block after a cached context (64 tokens, or `CONTEXT`), against a
+    // 4-token block.
+    let context_len: usize =
+        std::env::var("CONTEXT").ok().and_then(|c| c.parse().ok()).unwrap_or(64);
+    let context = text[..context_len.min(text.len() - 1)].to_vec();
     drafter.prefill(&context, &params).await?;
     let mut per_token = Vec::new();
     for _ in 0..3 {
