@@ -116,7 +116,7 @@ impl Proposer {
     /// and the answer; `cap`: the longest block the verifier takes.
     pub fn new(prediction: Vec<u32>, lookup: bool, cap: usize) -> Self {
         let odds = [
-            [Odds::prior(0.5, 0.9), Odds::prior(0.9, 0.95)],
+            [Odds::prior(0.7, 0.9), Odds::prior(0.9, 0.95)],
             [Odds::prior(0.2, 0.8), Odds::prior(0.5, 0.85)],
         ];
         Self { prediction, lookup, cap: cap.max(1), odds, read: 0, next: [None; 2] }
