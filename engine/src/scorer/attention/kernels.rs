@@ -112,6 +112,7 @@ fn normalize_block(scores: &mut [Vec<f32>]) {
         s.iter_mut().for_each(|x| *x /= sum);
     }
 }
+
 /// Scores `dot(q, key(j)) * scale` of a block of queries for the positions in `range`, two keys at
 /// a time.
 fn score_block<'k>(
