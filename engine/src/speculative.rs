@@ -6,6 +6,8 @@
 //! happens to committed tokens ([`TokenSink`]: collected, or decoded and streamed). Cancellation is by
 //! dropping the future: every await point is a draft or a verify call that may be abandoned.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use spade_core::draft_control::{BlockKind, DraftChoice, RoundRecord};
@@ -196,10 +198,13 @@ pub async fn run(
     let mut proposer = params.proposer.clone().filter(Proposer::is_active);
     // The last round's proposals, and where the tokens its round committed start.
     let (mut proposed, mut proposed_at) = (Vec::<Proposal>::new(), prompt.len());
+    // The draft model reading copied tokens, begun in a copied round and not yet done.
+    let mut reading: Option<Reading> = None;
     while state.stats.committed < params.max_new_tokens {
         let remaining = params.max_new_tokens - state.stats.committed;
         let drafter = match (drafter, drafting) {
             (Some(drafter), _) if state.stats.degraded => {
+                finish_reading(&mut reading).await;
                 match state.draft_alone_round(drafter, remaining).await? {
                     Some(finish) => return Ok(state.end(finish, &pacing)),
                     None => continue,
@@ -227,7 +232,9 @@ pub async fn run(
                 let proposal = proposal.first(block.len);
                 ahead = None;
                 let first_call = std::mem::replace(&mut first, false);
-                let round = state.proposal_round(verifier, drafter, &proposal, first_call).await?;
+                let round = state
+                    .proposal_round(verifier, drafter, &proposal, first_call, &mut reading)
+                    .await?;
                 let Some(finish) = round.outcome else { continue };
                 if let (false, Some(verifier_time)) = (first_call, round.verifier_time) {
                     pacing.observe_block_call(
@@ -242,6 +249,9 @@ pub async fn run(
                 }
             }
         }
+        // The model's round starts from what the draft model has read (its own drafts would queue
+        // behind the reading anyway).
+        finish_reading(&mut reading).await;
         // A block commits at most d + 1 tokens: never draft past the budget.
         let from_ahead = ahead.is_some();
         let kind = if from_ahead { BlockKind::Ahead } else { BlockKind::Serial };
@@ -368,7 +378,7 @@ pub async fn run(
 }
 
 /// Awaits a verify call; with a `drafter`, while it prefills `context` (the prompt on the first call,
-/// so that the two prefills overlap instead of adding up; a copied block's context and tokens).
+/// so that the two prefills overlap instead of adding up).
 async fn with_prefill<F: std::future::Future>(
     call: F,
     drafter: Option<&dyn Drafter>,
@@ -386,6 +396,51 @@ async fn with_prefill<F: std::future::Future>(
     verified
 }
 
+/// The draft model reading a copied block's context and tokens: a prefill whose result only
+/// matters for speed.
+type Reading<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+fn reading<'a>(
+    drafter: &'a dyn Drafter,
+    context: Vec<u32>,
+    params: &'a DraftParams,
+) -> Reading<'a> {
+    Box::pin(async move {
+        // A failed prefill only costs speed; the next draft call reports a real failure.
+        if let Err(e) = drafter.prefill(&context, params).await {
+            tracing::debug!("draft prefill failed: {e}");
+        }
+    })
+}
+
+/// Awaits a verify call while the reading (if any) goes on; a reading that ends first is dropped, one
+/// that outlasts the call is kept for the next round.
+async fn alongside<F: Future>(call: F, reading: &mut Option<Reading<'_>>) -> F::Output {
+    let Some(read) = reading.as_mut() else {
+        return call.await;
+    };
+    tokio::pin!(call);
+    let verified = tokio::select! {
+        biased;
+        verified = &mut call => Some(verified),
+        () = read => None,
+    };
+    match verified {
+        Some(verified) => verified,
+        None => {
+            *reading = None;
+            call.await
+        }
+    }
+}
+
+/// Waits for a reading still going on.
+async fn finish_reading(reading: &mut Option<Reading<'_>>) {
+    if let Some(read) = reading.take() {
+        read.await;
+    }
+}
+
 /// A block ending in a stop token ends the generation if it is all accepted: nothing to draft after it.
 fn ends_with_stop(drafts: &[DraftToken], params: &LoopParams) -> bool {
     drafts.last().is_some_and(|d| params.stop_token_ids.contains(&d.token))
@@ -399,7 +454,7 @@ struct Loop<'a> {
     can_draft_alone: bool,
 }
 
-impl Loop<'_> {
+impl<'a> Loop<'a> {
     /// A verify call's outcome, checked. None when the verifier is unreachable and the loop goes on
     /// with the draft model alone.
     fn check(
@@ -456,9 +511,10 @@ impl Loop<'_> {
     async fn proposal_round(
         &mut self,
         verifier: &mut dyn BlockVerifier,
-        drafter: Option<&dyn Drafter>,
+        drafter: Option<&'a dyn Drafter>,
         proposal: &Proposal,
         first_call: bool,
+        reading: &mut Option<Reading<'a>>,
     ) -> Result<ProposalRound, LoopError> {
         let drafts: Vec<DraftToken> = proposal
             .tokens
@@ -468,19 +524,20 @@ impl Loop<'_> {
         // While the verifier checks the block, the draft model reads the context and the block (the
         // edge is idle otherwise), so a later model round starts from its cache instead of first
         // catching up on every copied token: on a long copied answer that catch-up stalled the loop
-        // for a minute. On the first call it reads the prompt alongside the verifier's prefill. Not
-        // while other generations draft: their rounds must not wait for this reading.
-        let reading = match drafter {
-            Some(_) if first_call => Some(self.seq.clone()),
-            Some(d) if !d.others_drafting() => Some([&self.seq[..], &proposal.tokens].concat()),
-            _ => None,
-        };
+        // for a minute. On the first call it reads the prompt alongside the verifier's prefill. A
+        // reading that outlasts the call goes on while the next copied round is verified (the next
+        // model round waits for it); one at a time, so a later reading takes up all the tokens
+        // copied meanwhile. Not while other generations draft: their rounds must not wait for it.
+        let idle = |d: &&dyn Drafter| first_call || !d.others_drafting();
+        if let Some(drafter) = drafter.filter(|d| reading.is_none() && idle(d)) {
+            let context = match first_call {
+                true => self.seq.clone(),
+                false => [&self.seq[..], &proposal.tokens].concat(),
+            };
+            *reading = Some(self::reading(drafter, context, &self.params.draft));
+        }
         let started = Instant::now();
-        let call = verifier.verify(&self.seq, &drafts);
-        let verified = match &reading {
-            Some(context) => with_prefill(call, drafter, context, &self.params.draft).await,
-            None => call.await,
-        };
+        let verified = alongside(verifier.verify(&self.seq, &drafts), reading).await;
         let latency = started.elapsed();
         let mut round = ProposalRound { latency, verifier_time: None, outcome: None };
         let Some(verified) = self.check(verified, &drafts)? else {
