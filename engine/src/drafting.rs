@@ -2,6 +2,7 @@
 //! drafted token by token ([`Block`]), which may run while the previous block is verified.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -318,5 +319,69 @@ pub(crate) fn observation(
         call_latency: latency,
         verifier_time: verifier,
         ahead_guess: guess,
+    }
+}
+
+/// Awaits a verify call; with a `drafter`, while it prefills `context` (the prompt on the first call,
+/// so that the two prefills overlap instead of adding up).
+pub(crate) async fn with_prefill<F: Future>(
+    call: F,
+    drafter: Option<&dyn Drafter>,
+    context: &[u32],
+    params: &DraftParams,
+) -> F::Output {
+    let Some(drafter) = drafter else {
+        return call.await;
+    };
+    let (verified, warmed) = tokio::join!(call, drafter.prefill(context, params));
+    // A failed prefill only costs speed; the next draft call reports a real failure.
+    if let Err(e) = warmed {
+        tracing::debug!("draft prefill failed: {e}");
+    }
+    verified
+}
+
+/// The draft model reading a copied block's context and tokens: a prefill whose result only
+/// matters for speed.
+pub(crate) type Reading<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+pub(crate) fn reading<'a>(
+    drafter: &'a dyn Drafter,
+    context: Vec<u32>,
+    params: &'a DraftParams,
+) -> Reading<'a> {
+    Box::pin(async move {
+        // A failed prefill only costs speed; the next draft call reports a real failure.
+        if let Err(e) = drafter.prefill(&context, params).await {
+            tracing::debug!("draft prefill failed: {e}");
+        }
+    })
+}
+
+/// Awaits a verify call while the reading (if any) goes on; a reading that ends first is dropped, one
+/// that outlasts the call is kept for the next round.
+pub(crate) async fn alongside<F: Future>(call: F, reading: &mut Option<Reading<'_>>) -> F::Output {
+    let Some(read) = reading.as_mut() else {
+        return call.await;
+    };
+    tokio::pin!(call);
+    let verified = tokio::select! {
+        biased;
+        verified = &mut call => Some(verified),
+        () = read => None,
+    };
+    match verified {
+        Some(verified) => verified,
+        None => {
+            *reading = None;
+            call.await
+        }
+    }
+}
+
+/// Waits for a reading still going on.
+pub(crate) async fn finish_reading(reading: &mut Option<Reading<'_>>) {
+    if let Some(read) = reading.take() {
+        read.await;
     }
 }

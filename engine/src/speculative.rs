@@ -6,8 +6,6 @@
 //! happens to committed tokens ([`TokenSink`]: collected, or decoded and streamed). Cancellation is by
 //! dropping the future: every await point is a draft or a verify call that may be abandoned.
 
-use std::future::Future;
-use std::pin::Pin;
 use std::time::{Duration, Instant};
 
 use spade_core::draft_control::{BlockKind, DraftChoice, RoundRecord};
@@ -16,7 +14,9 @@ use spade_core::protocol::TokenLogprob;
 use spade_core::{DraftToken, SparseDist};
 
 pub use crate::drafting::DraftLenSetting;
-use crate::drafting::{observation, Block, Drafted, Pacing};
+use crate::drafting::{
+    alongside, finish_reading, observation, reading, with_prefill, Block, Drafted, Pacing, Reading,
+};
 pub use crate::in_process::{
     generate, generate_proposing, Collect, GenerateParams, Generation, LocalVerifier,
 };
@@ -375,70 +375,6 @@ pub async fn run(
         }
     }
     Ok(state.end(Finish::Length, &pacing))
-}
-
-/// Awaits a verify call; with a `drafter`, while it prefills `context` (the prompt on the first call,
-/// so that the two prefills overlap instead of adding up).
-async fn with_prefill<F: std::future::Future>(
-    call: F,
-    drafter: Option<&dyn Drafter>,
-    context: &[u32],
-    params: &DraftParams,
-) -> F::Output {
-    let Some(drafter) = drafter else {
-        return call.await;
-    };
-    let (verified, warmed) = tokio::join!(call, drafter.prefill(context, params));
-    // A failed prefill only costs speed; the next draft call reports a real failure.
-    if let Err(e) = warmed {
-        tracing::debug!("draft prefill failed: {e}");
-    }
-    verified
-}
-
-/// The draft model reading a copied block's context and tokens: a prefill whose result only
-/// matters for speed.
-type Reading<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
-
-fn reading<'a>(
-    drafter: &'a dyn Drafter,
-    context: Vec<u32>,
-    params: &'a DraftParams,
-) -> Reading<'a> {
-    Box::pin(async move {
-        // A failed prefill only costs speed; the next draft call reports a real failure.
-        if let Err(e) = drafter.prefill(&context, params).await {
-            tracing::debug!("draft prefill failed: {e}");
-        }
-    })
-}
-
-/// Awaits a verify call while the reading (if any) goes on; a reading that ends first is dropped, one
-/// that outlasts the call is kept for the next round.
-async fn alongside<F: Future>(call: F, reading: &mut Option<Reading<'_>>) -> F::Output {
-    let Some(read) = reading.as_mut() else {
-        return call.await;
-    };
-    tokio::pin!(call);
-    let verified = tokio::select! {
-        biased;
-        verified = &mut call => Some(verified),
-        () = read => None,
-    };
-    match verified {
-        Some(verified) => verified,
-        None => {
-            *reading = None;
-            call.await
-        }
-    }
-}
-
-/// Waits for a reading still going on.
-async fn finish_reading(reading: &mut Option<Reading<'_>>) {
-    if let Some(read) = reading.take() {
-        read.await;
-    }
 }
 
 /// A block ending in a stop token ends the generation if it is all accepted: nothing to draft after it.
