@@ -333,12 +333,7 @@ pub(crate) async fn with_prefill<F: Future>(
     let Some(drafter) = drafter else {
         return call.await;
     };
-    let (verified, warmed) = tokio::join!(call, drafter.prefill(context, params));
-    // A failed prefill only costs speed; the next draft call reports a real failure.
-    if let Err(e) = warmed {
-        tracing::debug!("draft prefill failed: {e}");
-    }
-    verified
+    tokio::join!(call, reading(drafter, context.to_vec(), params)).0
 }
 
 /// The draft model reading a copied block's context and tokens: a prefill whose result only

@@ -464,8 +464,9 @@ impl<'a> Loop<'a> {
         // reading that outlasts the call goes on while the next copied round is verified (the next
         // model round waits for it); one at a time, so a later reading takes up all the tokens
         // copied meanwhile. Not while other generations draft: their rounds must not wait for it.
-        let idle = |d: &&dyn Drafter| first_call || !d.others_drafting();
-        if let Some(drafter) = drafter.filter(|d| reading.is_none() && idle(d)) {
+        if let Some(drafter) =
+            drafter.filter(|d| reading.is_none() && (first_call || !d.others_drafting()))
+        {
             let context = match first_call {
                 true => self.seq.clone(),
                 false => [&self.seq[..], &proposal.tokens].concat(),
