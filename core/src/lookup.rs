@@ -37,12 +37,29 @@ pub struct Proposal {
     /// counts as aligned for a prediction). Where an answer diverged from a prediction, the
     /// realigned proposals that follow are often wrong from their first token; an aligned one seldom is.
     pub aligned: bool,
+    /// What its source has after `tokens` (up to [`THEN`] tokens): a block of the whole proposal
+    /// commits one token more, and whether the answer went on as the source does decides whether
+    /// the next proposal is aligned.
+    pub then: Vec<u32>,
 }
 
+/// Tokens a proposal keeps of its source's continuation: the verifier's token after a whole block,
+/// and the next proposal's first.
+const THEN: usize = 2;
+
 impl Proposal {
+    /// `text[from..]`'s first `len` tokens, not aligned.
+    fn new(source: Source, text: &[u32], from: usize, len: usize) -> Self {
+        let end = (from + len).min(text.len());
+        let then = text[end..(end + THEN).min(text.len())].to_vec();
+        Self { tokens: text[from..end].to_vec(), source, aligned: false, then }
+    }
+
     /// Its first `len` tokens.
     pub fn first(&self, len: usize) -> Self {
-        Self { tokens: self.tokens[..len.min(self.tokens.len())].to_vec(), ..*self }
+        let len = len.min(self.tokens.len());
+        let then = self.tokens[len..].iter().chain(&self.then).take(THEN).copied().collect();
+        Self { tokens: self.tokens[..len].to_vec(), then, ..*self }
     }
 }
 
@@ -142,8 +159,7 @@ impl Proposer {
         }
         let answer = &seq[prompt_len.min(seq.len())..];
         let next = std::mem::take(&mut self.next);
-        let aligned =
-            |source: Source, tokens: &[u32]| tokens.first() == next[source as usize].as_ref();
+        let aligned = |p: &Proposal| p.tokens.first() == next[p.source as usize].as_ref();
         if !self.prediction.is_empty() {
             let from = match answer {
                 [] => Some(0),
@@ -151,19 +167,17 @@ impl Proposer {
             };
             if let Some(from) = from {
                 self.read = from;
-                let tokens =
-                    self.prediction[from..(from + len).min(self.prediction.len())].to_vec();
-                let aligned = answer.is_empty() || aligned(Source::Prediction, &tokens);
-                proposals.push(Proposal { aligned, tokens, source: Source::Prediction });
+                let proposal = Proposal::new(Source::Prediction, &self.prediction, from, len);
+                let aligned = answer.is_empty() || aligned(&proposal);
+                proposals.push(Proposal { aligned, ..proposal });
             }
         }
         if self.lookup && !answer.is_empty() {
             // Everything before the answer's last token, so the tail cannot match itself.
             let context = &seq[..seq.len() - 1];
             if let Some(from) = continuation(context, seq, LOOKUP_NGRAM, None) {
-                let tokens = context[from..(from + len).min(context.len())].to_vec();
-                let aligned = aligned(Source::Lookup, &tokens);
-                proposals.push(Proposal { aligned, tokens, source: Source::Lookup });
+                let proposal = Proposal::new(Source::Lookup, context, from, len);
+                proposals.push(Proposal { aligned: aligned(&proposal), ..proposal });
             }
         }
         proposals
@@ -181,8 +195,11 @@ impl Proposer {
         let compared = proposal.tokens.len().min(committed.len());
         let matched = proposal.tokens.iter().zip(committed).take_while(|(p, c)| p == c).count();
         self.odds_of_mut(proposal).observe(matched, compared);
+        // Past the proposal too: a whole block's verifier token may still be the source's.
+        let mut source = proposal.tokens.iter().chain(&proposal.then);
+        let followed = source.clone().zip(committed).take_while(|(p, c)| p == c).count();
         self.next[proposal.source as usize] =
-            proposal.tokens.get(matched).copied().filter(|_| matched == committed.len());
+            source.nth(followed).copied().filter(|_| followed == committed.len());
     }
 
     fn odds_of(&self, proposal: &Proposal) -> &Odds {
@@ -233,8 +250,12 @@ mod tests {
         let mut p = Proposer::new(prediction, false, 8);
         let prompt = [1, 2, 3];
         let first = p.propose(&prompt, 3, 32);
-        let want =
-            Proposal { tokens: (100..108).collect(), source: Source::Prediction, aligned: true };
+        let want = Proposal {
+            tokens: (100..108).collect(),
+            source: Source::Prediction,
+            aligned: true,
+            then: vec![108, 109],
+        };
         assert_eq!(first, [want]);
         // The answer added a token (7) after 104, then went on with 105, 106: resume after 106.
         let seq = [1, 2, 3, 100, 101, 102, 103, 104, 7, 105, 106];
@@ -256,9 +277,11 @@ mod tests {
             tokens: vec![9, 10, 11, 12, 1, 6, 7],
             source: Source::Lookup,
             aligned: false,
+            then: vec![],
         };
         assert_eq!(p.propose(&seq, prompt.len(), 16), std::slice::from_ref(&want));
-        assert_eq!(want.first(2).tokens, [9, 10]);
+        let first_two = want.first(2);
+        assert_eq!((first_two.tokens, first_two.then), (vec![9, 10], vec![11, 12]));
         // Two tokens are too few to trust.
         let seq = [&prompt[..], &[1, 7, 8]].concat();
         assert_eq!(p.propose(&seq, prompt.len(), 16), []);
@@ -282,8 +305,7 @@ mod tests {
         let want = [1.5, 1.5 + 0.4, 1.5 + 0.4 + 0.32];
         assert!(e.iter().zip(want).all(|(x, w)| (x - w).abs() < 1e-12), "{e:?}");
         let mut p = Proposer::new(Vec::new(), true, 16);
-        let proposal =
-            Proposal { tokens: vec![1, 2, 3, 4], source: Source::Lookup, aligned: false };
+        let proposal = Proposal::new(Source::Lookup, &[1, 2, 3, 4], 0, 4);
         let before = p.expected_tokens(&proposal);
         // Committed 1 2 3 then something else: a rejection at the fourth token; first accepted.
         p.observe(&proposal, &[1, 2, 3, 9, 9]);
@@ -324,5 +346,22 @@ mod tests {
         // Its first token was not committed: nothing to go on from, so realigned.
         let fourth = p.propose(&[1, 2, 3, 100, 101], 3, 32).remove(0);
         assert!(!fourth.aligned);
+    }
+
+    #[test]
+    fn a_whole_block_and_the_verifiers_token_after_it_keep_the_next_proposal_aligned() {
+        let prediction: Vec<u32> = (100..140).collect();
+        // The block cap (8) is the whole proposal: the round commits it and the verifier's 108.
+        let mut p = Proposer::new(prediction, false, 8);
+        let prompt = [1, 2, 3];
+        let first = p.propose(&prompt, 3, 32).remove(0);
+        p.observe(&first, &(100..109).collect::<Vec<_>>());
+        let seq: Vec<u32> = prompt.iter().copied().chain(100..109).collect();
+        let second = p.propose(&seq, 3, 32).remove(0);
+        assert!(second.aligned && second.tokens[0] == 109, "{second:?}");
+        // A verifier's token after the whole block that is not the source's: realigned.
+        p.observe(&second, &(109..117).chain([7]).collect::<Vec<_>>());
+        let seq: Vec<u32> = seq.iter().copied().chain(109..117).chain([7, 117, 118]).collect();
+        assert!(!p.propose(&seq, 3, 32)[0].aligned);
     }
 }
