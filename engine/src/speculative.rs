@@ -229,6 +229,15 @@ pub async fn run(
                 })
                 .max_by(|(_, a), (_, b)| a.worth.total_cmp(&b.worth));
             if let Some((proposal, block)) = best {
+                tracing::debug!(
+                    source = ?proposal.source,
+                    aligned = proposal.aligned,
+                    proposed = proposal.tokens.len(),
+                    sent = block.len,
+                    worth = block.worth,
+                    ahead_ready = ahead.is_some(),
+                    "copied block"
+                );
                 let proposal = proposal.first(block.len);
                 ahead = None;
                 let first_call = std::mem::replace(&mut first, false);

@@ -16,12 +16,15 @@ const PROBE_EVERY: u32 = 4;
 /// gateway's acceptance is its prior (0.7), which at a low RTT chooses 0, and probing only every
 /// [`PROBE_EVERY`]th round kept a text the draft predicts well at 0 for a dozen rounds.
 const LEARNING_OUTCOMES: u32 = 4;
+/// Most odds of a copy being all accepted that [`DraftController::copied_block`] counts on: its run
+/// of copies is taken as 20 rounds at most, so that odds near 1 do not outweigh any price.
+const MAX_RUN_ODDS: f64 = 0.95;
 
 /// How much of a copied block to send ([`DraftController::copied_block`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CopiedBlock {
     pub len: usize,
-    /// What its round is worth over the draft model's, in tokens.
+    /// What the copies it starts are worth over the draft model's rounds, in tokens.
     pub worth: f64,
 }
 
@@ -92,12 +95,15 @@ impl DraftController {
     }
 
     /// A copied block ([`crate::lookup`]: no drafting, so its round is its call, `rtt + V(k + 1)`)
-    /// weighed against the draft model's next round. `expected[k - 1]` is what sending its first `k`
-    /// tokens commits on average. Its length is the one whose round commits the most per second; it
-    /// is sent when that round is worth more than the model's next one at the chosen lengths' rate:
-    /// its tokens less its time at that rate, against 0 for a block drafted after a miss (the state a
-    /// copied round leaves the loop in), or a block drafted ahead's worth when one is `ahead_ready`.
-    /// None: the model's round is worth more.
+    /// weighed against the draft model's rounds. `expected[k - 1]` is what sending its first `k`
+    /// tokens commits on average. Its length is the one whose round commits the most per second. It
+    /// is worth its tokens less its time at the model's rate; a copy all accepted is followed by
+    /// the next (the source goes on), so the copies it starts are worth that for `1 / (1 - P(all
+    /// accepted))` rounds, and it is sent when they are worth more than the model's next round: 0
+    /// for a block drafted after a miss, a block drafted ahead's worth when one is `ahead_ready`
+    /// (the copy drops it). Weighed one round at a time instead, a prediction the answer follows
+    /// for hundreds of tokens lost to every ready block of a draft model that copies it too.
+    /// None: the model's rounds are worth more.
     pub fn copied_block(&self, expected: &[f64], ahead_ready: bool) -> Option<CopiedBlock> {
         let e = &self.estimates;
         let time = |k: usize| (e.rtt_s + e.verify_time(k + 1)).max(MIN_ROUND_S);
@@ -106,8 +112,11 @@ impl DraftController {
                 .map(|k| (k, expected[k - 1]))
                 .max_by(|(a, ea), (b, eb)| (ea / time(*a)).total_cmp(&(eb / time(*b))))?;
         let worth = tokens - self.policy.rate * time(len);
+        // E(k) - E(k - 1), with E(0) = 1: the chance that all of the first k are accepted.
+        let all_accepted = tokens - len.checked_sub(2).map_or(1.0, |i| expected[i]);
+        let run = worth / (1.0 - all_accepted.clamp(0.0, MAX_RUN_ODDS));
         let model = if ahead_ready { self.policy.ahead_worth } else { 0.0 };
-        (worth > model).then_some(CopiedBlock { len, worth: worth - model })
+        (worth > 0.0 && run > model).then_some(CopiedBlock { len, worth: run - model })
     }
 
     /// Whether a round of length 0 drafts a guess as a probe: every [`PROBE_EVERY`]th such round, and
@@ -161,7 +170,7 @@ mod tests {
     use super::*;
     use crate::draft_control::block_end::BlockOdds;
     use crate::draft_control::policy::RATE_TOLERANCE;
-    use crate::draft_control::testing::{close, est};
+    use crate::draft_control::testing::{close, est, known};
     use crate::draft_control::MAX_POSITIONS;
 
     /// A simulated round against a world with flat acceptance 0.8, 30 ms draft steps and V = 100 ms + 10 ms * rows.
@@ -337,5 +346,24 @@ mod tests {
         // Where verify rows are cheap (a GPU), the block runs to what the source has.
         let gpu = DraftController::with_estimates(8, true, est(0.7, 30.0, 50.0, 20.0, 0.1));
         assert_eq!(gpu.copied_block(&copied(0.98, 32), false).unwrap().len, 32);
+    }
+
+    #[test]
+    fn a_copy_the_answer_keeps_following_beats_a_ready_block_of_a_draft_that_copies_too() {
+        // A draft model copying the text as well (0.995 a token), 60 ms steps and rows, 50 ms RTT:
+        // its blocks drafted ahead are nearly always right, so a ready one is worth several tokens.
+        let copies_too = Estimates { beta: known(0.995), ..est(0.995, 60.0, 50.0, 50.0, 60.0) };
+        let c = DraftController::with_estimates(8, true, copies_too);
+        let e = &c.estimates;
+        let follows = copied(0.996, 32);
+        let sent = c.copied_block(&follows, true).expect("a copy the answer follows is sent");
+        let one_round =
+            follows[sent.len - 1] - c.policy.rate * (e.rtt_s + e.verify_time(sent.len + 1));
+        // One round of it is worth less than the ready block; the run of copies it starts is not.
+        assert!(one_round > 0.0 && one_round < c.policy.ahead_worth, "{one_round} {:?}", c.policy);
+        // At 0.99 a token its copies run shorter: worth more than a block drafted after a miss,
+        // not more than the ready one.
+        assert!(c.copied_block(&copied(0.99, 32), false).is_some());
+        assert_eq!(c.copied_block(&copied(0.99, 32), true), None);
     }
 }
