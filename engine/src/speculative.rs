@@ -328,13 +328,17 @@ pub async fn run(
         state.stats.verify_time += latency;
         state.stats.verifier_time += verified.verifier_time.unwrap_or_default().min(latency);
         let all_accepted = verified.accepted == drafts.len();
+        // Committed before the guess drafted ahead is awaited: on the first call the guess comes
+        // after the draft model's reading of the prompt, which must not hold up the first token.
+        let finish = state.commit_block(drafts, &verified).await?;
         let mut guess_matched = None;
         if let Some(mut next) = next {
             state.stats.ahead_drafted += 1;
             state.stats.overlap_time += next.busy.min(latency);
             let bonus = verified.committed.last().copied();
-            // A probe (nothing drafted after its guess) is not worth waiting for.
-            let guess = match (all_accepted, next_d > 0) {
+            // A probe (nothing drafted after its guess) is not worth waiting for, nor is any guess
+            // once the generation is over.
+            let guess = match (all_accepted, next_d > 0 && finish.is_none()) {
                 (false, _) => None,
                 (true, true) => next.guess().await,
                 (true, false) => next.drawn_guess(),
@@ -379,7 +383,7 @@ pub async fn run(
             ..RoundRecord::from_observation(&round)
         };
         tracing::debug!(target: RoundRecord::LOG_TARGET, round = %record);
-        if let Some(finish) = state.commit_block(drafts, &verified).await? {
+        if let Some(finish) = finish {
             return Ok(state.end(finish, &pacing));
         }
     }
